@@ -1,0 +1,184 @@
+"""Load and validate a pipeline config (one YAML per profile).
+
+Structure is checked against ``workflow/schemas/config.schema.yaml`` with ``snakemake.utils.validate``;
+cross-field rules that a JSON schema cannot express are checked here. Every error names the key.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from specprefetch.io import SpecPrefetchError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
+
+# Model names of the methods, in the paper's order (tables and figures use this order and these names).
+METHOD_LABELS = {
+    "fate": "FATE",
+    "draft_model": "Draft Model",
+    "promoe": "ProMoE",
+    "single_mlp": "Single MLP",
+    "specprefetch": "SpecPrefetch",
+    "previous_token": "Naive Prefetch",
+    "frequency": "Frequency",
+    "oracle": "Oracle",
+}
+LEARNED_METHODS = ("specprefetch", "single_mlp", "promoe", "draft_model")
+
+
+class ConfigError(SpecPrefetchError):
+    """The config is invalid; the message names the offending key."""
+
+
+def _schema_error(exc: Exception) -> ConfigError:
+    """Turn a jsonschema error (possibly wrapped by snakemake) into one line that names the key."""
+    import jsonschema
+
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, jsonschema.ValidationError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return ConfigError(f"invalid config: {exc}")
+    err = cause
+    # Prefer the most specific sub-error (oneOf / additionalProperties give vague top-level ones).
+    best = jsonschema.exceptions.best_match([err]) if err.context is None else err
+    key = ".".join(str(p) for p in best.absolute_path) or "<top level>"
+    msg = best.message
+    if best.validator == "additionalProperties":
+        extra = re.findall(r"'([^']+)' was unexpected", msg)
+        if extra:
+            key = ".".join([*map(str, best.absolute_path), extra[0]]) if best.absolute_path else extra[0]
+            msg = f"unknown key {extra[0]!r}"
+    return ConfigError(f"invalid config key {key!r}: {msg}")
+
+
+def validate_config(cfg: dict[str, Any], base_dir: Path | None = None) -> dict[str, Any]:
+    """Validate ``cfg`` in place (schema, then semantics) and return it. Raises ConfigError."""
+    if not isinstance(cfg, dict) or not cfg:
+        raise ConfigError("invalid config: empty or not a mapping (pass --configfile config/config.yaml)")
+    from snakemake.utils import validate
+
+    try:
+        validate(cfg, str(SCHEMA_PATH), set_default=False)
+    except Exception as exc:  # snakemake wraps jsonschema's error in a WorkflowError
+        raise _schema_error(exc) from None
+    check_semantics(cfg, base_dir or REPO_ROOT)
+    return cfg
+
+
+def resolve_budget(expr: int | str, top_k: int) -> int:
+    """'K/2' -> K//2, 'K' -> K, 'K+2' -> K+2, an integer -> itself."""
+    if isinstance(expr, int):
+        return expr
+    m = re.fullmatch(r"K(?:(/2)|([+-]\d+))?", expr)
+    if not m:
+        raise ConfigError(f"invalid budget {expr!r}: use an integer or K, K/2, K+n, K-n")
+    if m.group(1):
+        return top_k // 2
+    return top_k + int(m.group(2) or 0)
+
+
+def budgets_for(cfg: dict[str, Any], model: str) -> list[int]:
+    """The candidate budgets M evaluated for ``model`` (paper: {K/2, K, K+2}), plus extra budgets."""
+    k = cfg["models"][model]["top_k"]
+    out = [resolve_budget(b, k) for b in cfg["recall"]["budgets"]]
+    out += [int(b) for b in cfg["recall"].get("extra_budgets", [])]
+    return sorted(dict.fromkeys(out))
+
+
+def n_moe_layers(model_cfg: dict[str, Any]) -> int:
+    return model_cfg["num_hidden_layers"] - model_cfg.get("first_dense_layers", 0)
+
+
+def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
+    """Cross-field checks: each failure names its key."""
+    for name, m in cfg["models"].items():
+        key = f"models.{name}"
+        if m["top_k"] > m["n_experts"]:
+            raise ConfigError(
+                f"invalid config key '{key}.top_k': top_k={m['top_k']} is larger than n_experts={m['n_experts']}"
+            )
+        if n_moe_layers(m) < 2:
+            raise ConfigError(
+                f"invalid config key '{key}.first_dense_layers': leaves {n_moe_layers(m)} MoE layers; "
+                "next-layer prediction needs at least 2"
+            )
+        if m["source"] == "stand_in":
+            if "pretrain" not in m:
+                raise ConfigError(f"invalid config key '{key}.pretrain': a stand_in model needs a pretrain section")
+            if "tokenizer" not in cfg:
+                raise ConfigError("invalid config key 'tokenizer': stand_in models need a tokenizer section")
+            if m["arch"] not in ("qwen3_vl_moe", "deepseek_vl2_standin"):
+                raise ConfigError(
+                    f"invalid config key '{key}.arch': stand-ins exist for qwen3_vl_moe and deepseek_vl2_standin, "
+                    f"not {m['arch']!r}"
+                )
+        if m["source"] == "hub" and "hub_id" not in m:
+            raise ConfigError(f"invalid config key '{key}.hub_id': required when source is 'hub'")
+        if m["source"] == "local":
+            _check_path(m.get("path"), f"{key}.path", base_dir)
+        if m["arch"] == "deepseek_vl2" and not m.get("trust_remote_code"):
+            raise ConfigError(
+                f"invalid config key '{key}.trust_remote_code': DeepSeek-VL2 runs its own repository code; "
+                "opt in with trust_remote_code: true and a pinned revision"
+            )
+        for i, b in enumerate(cfg["recall"]["budgets"]):
+            value = resolve_budget(b, m["top_k"])
+            if value < 1:
+                raise ConfigError(
+                    f"invalid config key 'recall.budgets[{i}]': {b!r} gives M={value} for model {name} (M must be >= 1)"
+                )
+            if value > m["n_experts"]:
+                raise ConfigError(
+                    f"invalid config key 'recall.budgets[{i}]': {b!r} gives M={value} > n_experts={m['n_experts']} "
+                    f"for model {name}"
+                )
+        for i, b in enumerate(cfg["recall"].get("extra_budgets", [])):
+            if not 1 <= b <= m["n_experts"]:
+                raise ConfigError(
+                    f"invalid config key 'recall.extra_budgets[{i}]': M={b} must be in [1, n_experts={m['n_experts']}]"
+                )
+    for name, w in cfg["workloads"].items():
+        key = f"workloads.{name}"
+        if w["generator"] == "hub" and "dataset" not in w:
+            raise ConfigError(f"invalid config key '{key}.dataset': required when generator is 'hub'")
+        if w["generator"] == "local":
+            _check_path(w.get("path"), f"{key}.path", base_dir)
+        if w["generator"] not in ("hub", "local") and "n_samples" not in w:
+            raise ConfigError(f"invalid config key '{key}.n_samples': required for generator {w['generator']!r}")
+    ds = cfg["predictors"]["training"].get("deepspeed_config")
+    if ds:
+        _check_path(ds, "predictors.training.deepspeed_config", base_dir)
+    dm = cfg["predictors"].get("draft_model")
+    if dm and dm["d_model"] % dm["num_heads"]:
+        raise ConfigError(
+            "invalid config key 'predictors.draft_model.num_heads': must divide d_model "
+            f"({dm['d_model']} % {dm['num_heads']} != 0)"
+        )
+
+
+def _check_path(value: str | None, key: str, base_dir: Path) -> None:
+    if not value:
+        raise ConfigError(f"invalid config key '{key}': a path is required")
+    p = Path(value)
+    if not p.is_absolute():
+        p = base_dir / p
+    if not p.exists():
+        raise ConfigError(f"invalid config key '{key}': file not found: {value}")
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """Read and validate a config YAML file."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    return validate_config(cfg, REPO_ROOT)

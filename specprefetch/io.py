@@ -1,0 +1,129 @@
+"""Atomic outputs and provenance.
+
+Every stage writes to a temporary sibling path and renames it into place, so an interrupted or
+failed job never leaves an output that Snakemake (or a reader) would take as complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+class SpecPrefetchError(RuntimeError):
+    """An error caused by bad input (config, files, checkpoints, traces, logs); the message names it."""
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | os.PathLike, is_dir: bool = False) -> Iterator[Path]:
+    """Yield a temporary path next to ``target``; rename it onto ``target`` only if the block succeeds.
+
+    For directories the temporary directory is created empty; for files nothing is created.
+    On any exception the temporary path is removed and ``target`` is left untouched.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    work = tmp if is_dir else tmp / target.name
+    try:
+        yield work
+        if is_dir:
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        else:
+            os.replace(work, target)
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_text_atomic(target: str | os.PathLike, text: str) -> None:
+    with atomic_path(target) as tmp:
+        tmp.write_text(text)
+
+
+def write_json_atomic(target: str | os.PathLike, obj: Any) -> None:
+    write_text_atomic(target, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def config_hash(obj: Any) -> str:
+    """Stable short hash of a JSON-serialisable config fragment (key order does not matter)."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(config_fragment: Any = None, seed: int | None = None, **extra: Any) -> dict[str, Any]:
+    """What produced a result: code version, library versions, config hash, seed, host and time."""
+    import importlib.metadata as md
+
+    versions = {}
+    for pkg in ("torch", "transformers", "tokenizers", "safetensors", "snakemake", "numpy", "pandas"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    from specprefetch import __version__
+
+    prov: dict[str, Any] = {
+        "specprefetch": __version__,
+        "git_commit": _git_commit(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "versions": versions,
+        "created_unix": round(time.time(), 3),
+    }
+    if config_fragment is not None:
+        prov["config_hash"] = config_hash(config_fragment)
+    if seed is not None:
+        prov["seed"] = seed
+    prov.update(extra)
+    return prov
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch, and make torch deterministic (CPU MoE training is not otherwise)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    try:
+        import torch
+
+        torch.manual_seed(seed)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    except ImportError:
+        pass
