@@ -1,0 +1,53 @@
+# SpecPrefetch reproduction pipeline.
+#   snakemake --cores all paper_tables                                 # embedded default (CPU, offline)
+#   snakemake --cores all paper_tables --configfile config/paper.yaml  # the paper's setup (GPUs, hub)
+# Every rule is one call into the `specprefetch` CLI; all logic lives in the library.
+
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+# The embedded default, unless a profile is given with --configfile (which then replaces it, not extends it).
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
+
+
+from snakemake.exceptions import WorkflowError
+from specprefetch.config import ConfigError
+from specprefetch.workflow import Pipeline
+
+# Validates the config (schema via snakemake.utils.validate, then cross-field checks) before any job runs,
+# and writes the resolved config that every job reads (content-addressed under .snakemake/).
+try:
+    P = Pipeline(config, workdir=workflow.basedir)
+except ConfigError as exc:
+    raise WorkflowError(str(exc)) from None
+CFG = P.config_path
+SP = "specprefetch"  # the CLI; `python -m specprefetch.cli` works too
+
+
+wildcard_constraints:
+    model=P.regex(P.models),
+    workload=P.regex(P.workloads + ["corpus"]),
+    method=P.regex(P.methods),
+
+
+include: "workflow/rules/data.smk"
+include: "workflow/rules/models.smk"
+include: "workflow/rules/traces.smk"
+include: "workflow/rules/predictors.smk"
+
+
+localrules:
+    paper_tables,
+    gather_recall,
+    gather_params,
+
+
+rule paper_tables:
+    """Everything the paper's tables and figures are made from (the renderer is added by the paper_tables stage)."""
+    input:
+        P.paper_table_inputs(),
+    default_target: True

@@ -1,0 +1,133 @@
+"""What the Snakefile needs to know about a config: names, paths, wildcards, per-rule config hashes.
+
+Kept out of the .smk files so the rules stay thin wiring and the logic is tested like any library code.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from specprefetch.config import LEARNED_METHODS, validate_config
+from specprefetch.io import config_hash, write_text_atomic
+
+CORPUS = "corpus"
+
+
+class Pipeline:
+    """The validated config of one profile, and the file layout of its results."""
+
+    def __init__(self, config: dict[str, Any], workdir: str | Path = ".") -> None:
+        self.workdir = Path(workdir)
+        validate_config(config, self.workdir)
+        self.cfg = copy.deepcopy(config)
+        self.config_path = self._write_resolved_config()
+
+    # ---------------------------------------------------------------- names
+    @property
+    def models(self) -> list[str]:
+        return list(self.cfg["models"])
+
+    @property
+    def stand_ins(self) -> list[str]:
+        return [m for m, v in self.cfg["models"].items() if v["source"] == "stand_in"]
+
+    @property
+    def workloads(self) -> list[str]:
+        return list(self.cfg["workloads"])
+
+    @property
+    def methods(self) -> list[str]:
+        return list(self.cfg["predictors"]["methods"])
+
+    @staticmethod
+    def regex(names: list[str]) -> str:
+        return "|".join(re.escape(n) for n in names)
+
+    # ---------------------------------------------------------------- config
+    def _write_resolved_config(self) -> str:
+        """Write the resolved config once per content (never touched again, so no spurious reruns)."""
+        text = yaml.safe_dump(self.cfg, sort_keys=True)
+        path = Path(".snakemake") / "specprefetch" / f"config-{config_hash(self.cfg)}.yaml"
+        if not path.exists() or path.read_text() != text:
+            write_text_atomic(path, text)
+        return str(path)
+
+    def hash_of(self, *keys: str, model: str | None = None, workload: str | None = None) -> str:
+        """Hash of the config sections a job depends on: a change reruns exactly the affected jobs."""
+        frag: dict[str, Any] = {k: self.cfg.get(k) for k in keys}
+        if model is not None:
+            frag["model"] = self.cfg["models"][model]
+        if workload is not None and workload != CORPUS:
+            frag["workload"] = self.cfg["workloads"][workload]
+        return config_hash(frag)
+
+    # ---------------------------------------------------------------- paths
+    def workload_dir(self, workload: str) -> str:
+        return "results/corpus" if workload == CORPUS else f"results/workloads/{workload}"
+
+    def model_dir(self, model: str) -> str | None:
+        """Where a model's weights come from: the pipeline's stand-in, a local copy, or None (the hub)."""
+        m = self.cfg["models"][model]
+        if m["source"] == "stand_in":
+            return f"results/models/{model}"
+        if m["source"] == "local":
+            return m["path"]
+        return None
+
+    def model_inputs(self, model: str) -> list[str]:
+        d = self.model_dir(model)
+        return [d] if d is not None and self.cfg["models"][model]["source"] == "stand_in" else []
+
+    def model_dir_arg(self, model: str) -> str:
+        d = self.model_dir(model)
+        return f"--model-dir {d}" if d else ""
+
+    def trace_dir(self, model: str, workload: str) -> str:
+        return f"results/traces/{model}/{workload}"
+
+    def predictor_dir(self, model: str, method: str) -> str:
+        return f"results/predictors/{model}/{method}"
+
+    def is_learned(self, method: str) -> bool:
+        return method in LEARNED_METHODS
+
+    # ---------------------------------------------------------------- targets
+    def recall_csvs(self) -> list[str]:
+        return [f"results/recall/{m}/{w}.csv" for m in self.models for w in self.workloads]
+
+    def predictor_dirs(self) -> list[str]:
+        return [self.predictor_dir(m, meth) for m in self.models for meth in self.methods]
+
+    def paper_table_inputs(self) -> list[str]:
+        return [
+            "results/workloads/disjointness.json",
+            "results/recall/recall.csv",
+            "results/predictors/params.csv",
+        ]
+
+    # ---------------------------------------------------------------- scheduling
+    # Per-rule resources for local runs and the SLURM profile. The paper profile's heavy rules need a GPU
+    # (a 30B-parameter model); the embedded and smoke profiles run everything on the CPU.
+    _RESOURCES: dict[str, dict[str, dict[str, int]]] = {
+        "prepare_workload": {"cpu": {"mem_mb": 2000, "runtime": 30}, "paper": {"mem_mb": 16000, "runtime": 120}},
+        "prepare_corpus": {"cpu": {"mem_mb": 2000, "runtime": 30}, "paper": {"mem_mb": 32000, "runtime": 240}},
+        "train_tokenizer": {"cpu": {"mem_mb": 2000, "runtime": 30}, "paper": {"mem_mb": 8000, "runtime": 60}},
+        "check_disjoint": {"cpu": {"mem_mb": 1000, "runtime": 10}, "paper": {"mem_mb": 8000, "runtime": 60}},
+        "pretrain_stand_in": {"cpu": {"mem_mb": 6000, "runtime": 60}, "paper": {"mem_mb": 6000, "runtime": 60}},
+        "extract_traces": {"cpu": {"mem_mb": 4000, "runtime": 60},
+                           "paper": {"mem_mb": 96000, "runtime": 720, "gpu": 1}},
+        "train_predictor": {"cpu": {"mem_mb": 4000, "runtime": 60},
+                            "paper": {"mem_mb": 128000, "runtime": 1440, "gpu": 1}},
+        "evaluate_recall": {"cpu": {"mem_mb": 4000, "runtime": 30},
+                            "paper": {"mem_mb": 64000, "runtime": 240, "gpu": 1}},
+    }
+
+    def resources(self, rule: str) -> dict[str, int]:
+        kind = "paper" if self.cfg["profile"] == "paper" else "cpu"
+        res = {"gpu": 0, **self._RESOURCES[rule][kind]}
+        return res

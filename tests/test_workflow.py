@@ -1,0 +1,64 @@
+"""The Snakemake DAG: dry runs plan the whole DAG for every profile, bad config stops before any job."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+
+
+def snakemake(workdir: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "--directory", str(workdir), *args]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def job_counts(output: str) -> dict[str, int]:
+    block = output.split("Job stats:")[1].split("total")[0]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", block, re.M)}
+
+
+COMMON = {"prepare_workload": 5, "prepare_corpus": 1, "check_disjoint": 1, "extract_traces": 12,
+          "train_predictor": 16, "evaluate_recall": 10, "gather_recall": 1, "gather_params": 1, "paper_tables": 1}
+EXPECTED = {
+    "config/config.yaml": {**COMMON, "train_tokenizer": 1, "pretrain_stand_in": 2},
+    "config/smoke.yaml": {**COMMON, "train_tokenizer": 1, "pretrain_stand_in": 2},
+    "config/paper.yaml": COMMON,  # hub checkpoints: no tokenizer, no stand-in pretraining
+}
+
+
+@pytest.mark.parametrize("profile", list(EXPECTED))
+def test_dry_run_plans_whole_dag(tmp_path: Path, profile: str) -> None:
+    res = snakemake(tmp_path, "-n", "--cores", "1", "paper_tables", "--configfile", str(ROOT / profile))
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert job_counts(res.stdout) == EXPECTED[profile]
+
+
+def test_bad_config_stops_before_any_job(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    text = (ROOT / "config/smoke.yaml").read_text().replace("top_k: 4", "top_k: 40")
+    bad.write_text(text)
+    res = snakemake(tmp_path, "--cores", "1", "paper_tables", "--configfile", str(bad))
+    assert res.returncode != 0
+    err = res.stderr + res.stdout
+    assert "models.tiny-qwen3-vl-moe.top_k" in err and "n_experts=16" in err
+    assert not (tmp_path / "results").exists()
+
+
+def test_every_rule_has_log_benchmark_and_resources() -> None:
+    """The conventions the SLURM profile relies on: no rule without log, benchmark, threads, resources."""
+    for smk in sorted((ROOT / "workflow/rules").glob("*.smk")):
+        rules = re.split(r"^rule ", smk.read_text(), flags=re.M)[1:]
+        for body in rules:
+            name = body.split(":")[0]
+            assert re.match(r"^[a-z]+(_[a-z]+)+$", name), f"{smk.name}: rule {name} is not verb_object"
+            for key in ("log:", "benchmark:", "threads:", "resources:", "shell:"):
+                assert f"\n    {key}" in body, f"{smk.name}: rule {name} lacks {key}"

@@ -1,0 +1,22 @@
+# MoE stand-ins of the embedded default, trained from scratch by the pipeline (hub models need no rule).
+
+
+rule pretrain_stand_in:
+    input:
+        corpus="results/corpus",
+        tokenizer="results/tokenizer",
+    output:
+        directory("results/models/{model}"),
+    params:
+        cfg=lambda w: P.hash_of("image", "tokenizer", model=w.model),
+    log:
+        "logs/pretrain_stand_in/{model}.log",
+    benchmark:
+        "benchmarks/pretrain_stand_in/{model}.tsv"
+    threads: workflow.cores
+    resources:
+        **P.resources("pretrain_stand_in"),
+    shell:
+        "export OMP_NUM_THREADS={threads}; "
+        "{SP} pretrain-stand-in --config {CFG} --model {wildcards.model} --corpus {input.corpus} "
+        "--tokenizer {input.tokenizer} --out {output} 2>&1 | tee {log}"

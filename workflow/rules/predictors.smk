@@ -1,0 +1,79 @@
+# Next-layer expert predictors (SpecPrefetch adapters and baselines), trained on the corpus traces,
+# and ExpertRecall@M on every evaluation workload (Tables 1-3).
+
+
+rule train_predictor:
+    input:
+        traces=lambda w: P.trace_dir(w.model, "corpus"),
+        model=lambda w: P.model_inputs(w.model),
+    output:
+        directory("results/predictors/{model}/{method}"),
+    params:
+        cfg=lambda w: P.hash_of("predictors", model=w.model),
+        model_dir=lambda w: P.model_dir_arg(w.model),
+    log:
+        "logs/train_predictor/{model}/{method}.log",
+    benchmark:
+        "benchmarks/train_predictor/{model}/{method}.tsv"
+    threads: 2
+    resources:
+        **P.resources("train_predictor"),
+    shell:
+        "export OMP_NUM_THREADS={threads}; "
+        "{SP} train-predictor --config {CFG} --model {wildcards.model} --method {wildcards.method} "
+        "--traces {input.traces} {params.model_dir} --out {output} 2>&1 | tee {log}"
+
+
+rule evaluate_recall:
+    input:
+        traces=lambda w: P.trace_dir(w.model, w.workload),
+        predictors=lambda w: [P.predictor_dir(w.model, m) for m in P.methods],
+    output:
+        "results/recall/{model}/{workload}.csv",
+    params:
+        cfg=lambda w: P.hash_of("recall", model=w.model),
+        predictors=lambda w: " ".join(f"--predictor {m}={P.predictor_dir(w.model, m)}" for m in P.methods),
+    log:
+        "logs/evaluate_recall/{model}/{workload}.log",
+    benchmark:
+        "benchmarks/evaluate_recall/{model}/{workload}.tsv"
+    threads: 1
+    resources:
+        **P.resources("evaluate_recall"),
+    shell:
+        "{SP} evaluate-recall --config {CFG} --model {wildcards.model} --workload {wildcards.workload} "
+        "--traces {input.traces} {params.predictors} --out {output} 2>&1 | tee {log}"
+
+
+rule gather_recall:
+    input:
+        P.recall_csvs(),
+    output:
+        "results/recall/recall.csv",
+    log:
+        "logs/gather_recall/recall.log",
+    benchmark:
+        "benchmarks/gather_recall/recall.tsv"
+    threads: 1
+    resources:
+        mem_mb=1000,
+        runtime=5,
+    shell:
+        "{SP} gather-recall --out {output} {input} 2>&1 | tee {log}"
+
+
+rule gather_params:
+    input:
+        P.predictor_dirs(),
+    output:
+        "results/predictors/params.csv",
+    log:
+        "logs/gather_params/params.log",
+    benchmark:
+        "benchmarks/gather_params/params.tsv"
+    threads: 1
+    resources:
+        mem_mb=1000,
+        runtime=5,
+    shell:
+        "{SP} gather-params --out {output} {input} 2>&1 | tee {log}"
