@@ -1,0 +1,174 @@
+"""The machine-readable side of every rendered table: one record per cell, written next to the .tex.
+
+The .tex is for people; the JSON is what ``diff-tables`` and the comparison with the paper read, so nobody parses
+LaTeX. A cell carries its identity (``id`` plus ``keys`` in display names, so a reproduced cell and the paper's
+reported cell meet on the same keys), its value in display units (percent, tok/s, parameter count), the ± spread
+when there is one, the quantity (which selects its diff tolerance), and the exact text printed in the table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specprefetch.io import SpecPrefetchError, write_json_atomic
+
+TABLE_FORMAT = "specprefetch-table/1"
+QUANTITIES = ("recall", "params", "throughput", "gain", "ready_recall", "latency_ms", "window_ms", "demand_ms",
+              "exceed_pct", "share_pct", "m_max")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One number of a table or figure. ``value`` is None where the table prints a dash (not measured)."""
+
+    id: str
+    quantity: str
+    value: float | None
+    keys: dict[str, Any] = field(default_factory=dict)
+    std: float | None = None
+    n: int | None = None
+    text: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("value", "std"):
+            if d[k] is not None and not math.isfinite(d[k]):
+                d[k] = None
+        return d
+
+    @staticmethod
+    def from_json(d: dict[str, Any], where: str) -> Cell:
+        try:
+            return Cell(id=str(d["id"]), quantity=str(d["quantity"]),
+                        value=None if d.get("value") is None else float(d["value"]),
+                        keys=dict(d.get("keys") or {}), std=None if d.get("std") is None else float(d["std"]),
+                        n=None if d.get("n") is None else int(d["n"]), text=str(d.get("text", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SpecPrefetchError(f"{where}: malformed cell {d!r}: {exc}") from None
+
+
+@dataclass
+class TableDoc:
+    """A rendered table's cells plus what produced them (profile, models, platform) for reports and diffs."""
+
+    name: str
+    title: str
+    profile: str
+    cells: list[Cell]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        ids = [c.id for c in self.cells]
+        if len(ids) != len(set(ids)):
+            dup = sorted({i for i in ids if ids.count(i) > 1})
+            raise SpecPrefetchError(f"table {self.name}: duplicate cell ids {dup[:3]}")
+        return {"format": TABLE_FORMAT, "name": self.name, "title": self.title, "profile": self.profile,
+                "meta": self.meta, "cells": [c.to_json() for c in self.cells]}
+
+    def write(self, path: str | Path) -> None:
+        write_json_atomic(path, self.to_json())
+
+    def by_id(self) -> dict[str, Cell]:
+        return {c.id: c for c in self.cells}
+
+
+def read_table_doc(path: str | Path) -> TableDoc:
+    """Read a table JSON written by ``TableDoc.write``; anything else is an error naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecPrefetchError(f"{path}: table JSON not found")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SpecPrefetchError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(d, dict) or d.get("format") != TABLE_FORMAT:
+        raise SpecPrefetchError(f"{path}: not a table JSON (format {d.get('format') if isinstance(d, dict) else d!r},"
+                                f" expected {TABLE_FORMAT})")
+    cells = [Cell.from_json(c, str(path)) for c in d.get("cells", [])]
+    return TableDoc(name=d["name"], title=d.get("title", ""), profile=d.get("profile", ""), cells=cells,
+                    meta=d.get("meta", {}))
+
+
+# --------------------------------------------------------------------------------------------- number formatting
+
+
+def fmt_fixed(value: float | None, decimals: int, sign: bool = False) -> str:
+    """Fixed decimals; None/NaN prints the paper's en dash; -0.00 prints as 0.00."""
+    if value is None or not math.isfinite(value):
+        return "–"
+    text = f"{value:+.{decimals}f}" if sign else f"{value:.{decimals}f}"
+    if float(text) == 0.0:
+        text = ("+" if sign else "") + f"{0.0:.{decimals}f}"
+    return text
+
+
+def fmt_params(n: float | None) -> str:
+    """Trainable parameters the paper's way ("0.82M", "207.23M"), with K for the tiny stand-ins ("28.67K",
+    "231.17K"), so small counts keep their digits instead of collapsing to "0.23M"."""
+    if n is None or not math.isfinite(n):
+        return "–"
+    n = float(n)
+    if abs(n) >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    if abs(n) >= 5e5:  # the paper prints 0.78M for 780K; below 0.5M, K keeps 5 significant digits
+        return f"{n / 1e6:.2f}M"
+    if abs(n) >= 1e3:
+        return f"{n / 1e3:.2f}K"
+    return f"{int(round(n))}"
+
+
+def throughput_decimals(value: float) -> int:
+    """3 decimals like the paper's 3.753 tok/s; fewer for the CPU stand-ins' larger rates (same 4 significant)."""
+    a = abs(value)
+    return 3 if a < 10 else 2 if a < 100 else 1
+
+
+def latex_escape(text: str) -> str:
+    """Escape LaTeX specials in names coming from config (display names, platforms); math is added by templates."""
+    repl = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+            "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "±": r"$\pm$", "–": "--",
+            "≈": r"$\approx$", "→": r"$\to$", "†": r"$^\dagger$", "×": r"$\times$", "·": r"$\cdot$",
+            "≤": r"$\le$", "≥": r"$\ge$", "Δ": r"$\Delta$", "<": r"$<$", ">": r"$>$", "|": r"$|$"}
+    return "".join(repl.get(ch, ch) for ch in str(text))
+
+
+def tex_cell(text: str) -> str:
+    """A cell's plain text (as stored in the JSON) made safe for LaTeX: the en dash becomes --."""
+    return "--" if text == "–" else text
+
+
+def best_mask(values: Sequence[float | None], decimals: int, higher_is_better: bool = True) -> list[bool]:
+    """Which entries are best at the printed precision (ties are all bold, as in the paper's tied-best)."""
+    rounded = [None if v is None or not math.isfinite(v) else round(v, decimals) for v in values]
+    present = [r for r in rounded if r is not None]
+    if not present:
+        return [False] * len(values)
+    best = max(present) if higher_is_better else min(present)
+    return [r is not None and r == best for r in rounded]
+
+
+def bold(text: str, on: bool) -> str:
+    """Bold a cell; ``\\boldmath`` makes the math of a ``$m\\pm s$`` cell bold too (as the paper's Table 5)."""
+    if not on:
+        return text
+    return rf"\textbf{{\boldmath {text}}}" if "$" in text else rf"\textbf{{{text}}}"
+
+
+def pm(mean: float | None, std: float | None, decimals: int, sign: bool = False, math_mode: bool = True) -> str:
+    """``mean ± std`` as the paper prints it ($3.753\\pm 0.164$); a dash when there is no value."""
+    if mean is None or not math.isfinite(mean):
+        return "–"
+    m = fmt_fixed(mean, decimals, sign)
+    if std is None or not math.isfinite(std):
+        return f"${m}$" if math_mode else m
+    s = fmt_fixed(std, decimals)
+    return f"${m}\\pm {s}$" if math_mode else f"{m} ± {s}"
+
+
+def cells_index(docs: Iterable[TableDoc]) -> dict[tuple[str, str], Cell]:
+    return {(d.name, c.id): c for d in docs for c in d.cells}

@@ -1,0 +1,162 @@
+"""CLI: ``render-tables``, ``render-figures``, ``compare-paper``, ``compile-preview``, ``diff-tables``.
+
+The Snakemake rules in workflow/rules/render.smk call exactly these; each also runs by hand, e.g.::
+
+    specprefetch render-tables --config config/config.yaml --out-dir /tmp/tables
+    specprefetch render-figures --config config/config.yaml --out-dir /tmp/tables/figures
+    specprefetch compare-paper --config config/config.yaml --tables /tmp/tables/table*.json \\
+        --figures /tmp/tables/figures/*.json --out-dir /tmp/tables
+    specprefetch compile-preview --config config/config.yaml --dir /tmp/tables
+    specprefetch diff-tables paper_tables /tmp/tables --config config/config.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from specprefetch.cli import add_config_arg, load_args_config
+
+log = logging.getLogger(__name__)
+
+INPUT_FLAGS = ("recall", "per_layer", "params", "runs", "window", "window_events", "latency")
+
+
+def _add_input_flags(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+    from specprefetch.render.targets import RESULT_PATHS as DEFAULT_PATHS
+
+    for name in names:
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=Path, default=Path(DEFAULT_PATHS[name]),
+                       help=f"the {name} CSV (default {DEFAULT_PATHS[name]})")
+
+
+def _inputs(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Path]:
+    return {n: getattr(args, n) for n in names}
+
+
+def _cmd_render_tables(args: argparse.Namespace) -> None:
+    from specprefetch.render.tables import TABLES, render_table
+
+    cfg = load_args_config(args)
+    names = args.table or list(TABLES)
+    for name in names:
+        spec = TABLES[name]
+        doc = render_table(name, cfg, _inputs(args, spec.inputs), args.out_dir / f"{name}.tex",
+                           templates=args.templates)
+        print(f"{args.out_dir / name}.tex: {len(doc.cells)} cells")
+
+
+def _cmd_render_figures(args: argparse.Namespace) -> None:
+    from specprefetch.render.figures import FIGURES, render_figure
+
+    cfg = load_args_config(args)
+    for name in args.figure or list(FIGURES):
+        doc = render_figure(name, cfg, _inputs(args, FIGURES[name].inputs), args.out_dir)
+        print(f"{args.out_dir / name}.{{pdf,png,json}}: {len(doc.cells)} values")
+
+
+def _cmd_compare(args: argparse.Namespace) -> None:
+    from specprefetch.render.compare import compare_with_paper
+    from specprefetch.render.reported import load_reported
+
+    cfg = load_args_config(args)
+    claims = compare_with_paper(cfg, args.tables, args.figures or [], load_reported(args.reported), args.out_dir,
+                                markdown=args.markdown, templates=args.templates)
+    checked = [c for c in claims if c.agrees is not None]
+    print(f"{args.out_dir}: {sum(c.agrees for c in checked)} of {len(checked)} checkable claims of the paper hold "
+          f"the same way ({cfg['profile']} profile); see comparison.md")
+
+
+def _cmd_compile_preview(args: argparse.Namespace) -> None:
+    from specprefetch.render.preview import LatexMissing, compile_preview, write_preview_tex
+
+    cfg = load_args_config(args)
+    if args.pdf_only:
+        tex = args.tex or args.dir / "paper_tables.tex"
+    else:
+        tex = write_preview_tex(cfg, args.dir, tables=args.table, figures=args.figure,
+                                with_comparison=not args.no_comparison, target=args.tex, templates=args.templates)
+        print(f"{tex}: written")
+    if args.tex_only:
+        return
+    out = args.out or tex.with_suffix(".pdf")
+    try:
+        compile_preview(tex, out)
+    except LatexMissing as exc:
+        if args.skip_if_missing:
+            print(f"compile-preview: {exc}", file=sys.stderr)
+            return
+        raise
+    print(f"{out}: compiled")
+
+
+def _cmd_diff(args: argparse.Namespace) -> None:
+    from specprefetch.render.diff import Tolerances, diff_tables
+
+    cfg = load_args_config(args) if args.config else None
+    tol = Tolerances.from_sources(cfg, args.tolerances)
+    report = diff_tables(args.old, args.new, tol)
+    print(report.render())
+    if report.failed:
+        raise SystemExit(1)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from specprefetch.render import diff
+    from specprefetch.render.targets import FIGURE_NAMES as FIGURES
+    from specprefetch.render.targets import TABLE_NAMES as TABLES
+
+    p = sub.add_parser("render-tables", help="Tables 1-5 as LaTeX (+ a JSON of every cell) from the result CSVs")
+    add_config_arg(p)
+    p.add_argument("--table", action="append", choices=TABLES, help="only this table (repeatable)")
+    _add_input_flags(p, ("recall", "params", "runs"))
+    p.add_argument("--out-dir", required=True, type=Path, help="writes <table>.tex and <table>.json here")
+    p.add_argument("--templates", type=Path, default=None, help="jinja2 template directory (workflow/templates)")
+    p.set_defaults(func=_cmd_render_tables)
+
+    p = sub.add_parser("render-figures", help="Figures 1(a), 1(b), 4, 5, 6 and per-layer recall (PDF, PNG, JSON)")
+    add_config_arg(p)
+    p.add_argument("--figure", action="append", choices=FIGURES, help="only this figure (repeatable)")
+    _add_input_flags(p, ("per_layer", "runs", "window", "window_events", "latency"))
+    p.add_argument("--out-dir", required=True, type=Path, help="writes <figure>.{pdf,png,json} here")
+    p.set_defaults(func=_cmd_render_figures)
+
+    p = sub.add_parser("compare-paper", help="reproduced vs the paper's reported numbers: *_vs_paper.tex, "
+                                             "comparison.md, comparison.json")
+    add_config_arg(p)
+    p.add_argument("--tables", nargs="+", required=True, type=Path, help="table JSONs from render-tables")
+    p.add_argument("--figures", nargs="*", type=Path, default=[], help="figure JSONs from render-figures")
+    p.add_argument("--reported", type=Path, default=None, help="default config/reference/paper_reported.yaml")
+    p.add_argument("--out-dir", required=True, type=Path)
+    p.add_argument("--markdown", type=Path, default=None, help="default <out-dir>/comparison.md")
+    p.add_argument("--templates", type=Path, default=None)
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("compile-preview", help="one LaTeX document with every table, comparison and figure; "
+                                               "compiled with pdflatex when installed")
+    add_config_arg(p)
+    p.add_argument("--dir", required=True, type=Path, help="the rendered tables directory (e.g. paper_tables)")
+    p.add_argument("--table", action="append", choices=TABLES, help="only these tables (default all)")
+    p.add_argument("--figure", action="append", choices=FIGURES, help="only these figures (default all)")
+    p.add_argument("--no-comparison", action="store_true", help="leave out the *_vs_paper tables")
+    p.add_argument("--tex", type=Path, default=None, help="preview source (default <dir>/paper_tables.tex)")
+    p.add_argument("--out", type=Path, default=None, help="PDF (default: the .tex with suffix .pdf)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--tex-only", action="store_true", help="write the .tex, do not compile")
+    mode.add_argument("--pdf-only", action="store_true", help="compile the existing .tex without rewriting it")
+    p.add_argument("--skip-if-missing", action="store_true",
+                   help="without pdflatex, say so and exit 0 instead of failing")
+    p.add_argument("--templates", type=Path, default=None)
+    p.set_defaults(func=_cmd_compile_preview)
+
+    p = sub.add_parser("diff-tables", help="compare two renderings cell by cell; exit 1 past tolerance",
+                       description=diff.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("old", type=Path, help="reference rendering: a directory (e.g. paper_tables) or a table JSON")
+    p.add_argument("new", type=Path, help="new rendering: a directory or a table JSON")
+    p.add_argument("--config", type=Path, default=None, help="profile YAML whose render.tolerances apply")
+    p.add_argument("--tolerances", type=Path, default=None,
+                   help="YAML with render.tolerances (or a bare tolerances mapping); overrides --config")
+    p.set_defaults(func=_cmd_diff)

@@ -1,0 +1,514 @@
+"""Reproduced vs reported: every table side by side with the paper's numbers, and the paper's claims checked.
+
+Two kinds of comparison, both always produced:
+
+- **Numbers**: each reproduced cell next to the paper's cell with the same keys (display names and budget
+  expressions), and the difference (a ratio for parameter counts). Meaningful for the paper profile.
+- **Claims**: the statements the paper makes about its tables and figures ("SpecPrefetch is best or tied-best in 27
+  of 30 settings", "PRED0 within 2% of OFF", "throughput peaks at a bounded M_max"), evaluated by the same function
+  on the reproduced cells and on the paper's cells. For the embedded default (stand-ins, not the paper's models)
+  the direction of each claim is the comparison that means something; ``agrees`` says whether the claim holds in
+  both or fails in both.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from specprefetch.io import write_json_atomic, write_text_atomic
+from specprefetch.render.cells import Cell, TableDoc, fmt_fixed, fmt_params, latex_escape, read_table_doc
+from specprefetch.render.profile import profile_sentence
+from specprefetch.render.reported import MATCH_KEYS, Reported, match_key
+from specprefetch.render.tables import TABLES, render_template
+
+log = logging.getLogger(__name__)
+PRED0_TOLERANCE_PCT = 2.0  # "PRED0 within 2% of OFF": the runtime issue's target for the control path's overhead
+
+
+# --------------------------------------------------------------------------------------------- numbers side by side
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a table's cells are arranged for the side-by-side view."""
+
+    block: str | None
+    rows: tuple[str, ...]
+    col: str
+    ratio: bool = False
+
+
+LAYOUTS: dict[str, Layout] = {
+    "table1_recall": Layout("model", ("workload", "method"), "budget"),
+    "table2_ablation": Layout("model", ("workload", "method"), "budget"),
+    "table3_params": Layout(None, ("model",), "method", ratio=True),
+    "table4_overhead": Layout(None, ("policy",), "column"),
+    "table5_matched": Layout(None, ("policy",), "column"),
+}
+DECIMALS = {"recall": 2, "throughput": 3, "gain": 2, "ready_recall": 1}
+COLUMN_NAMES = {"throughput": "Throughput (tok/s)", "gain": "Gain vs OFF (%)", "gain_cold": "Cold gain (%)",
+                "gain_slow": "Slow gain (%)", "ready_recall": "ReadyRecall (%)"}
+
+
+def fmt_value(cell: Cell | None) -> str:
+    if cell is None or cell.value is None:
+        return "–"
+    if cell.quantity == "params":
+        return fmt_params(cell.value)
+    dec = DECIMALS.get(cell.quantity, 2)
+    text = fmt_fixed(cell.value, dec, sign=cell.quantity == "gain")
+    return text if cell.std is None else f"{text} ± {fmt_fixed(cell.std, dec)}"
+
+
+def fmt_delta(repro: Cell | None, paper: Cell | None, ratio: bool) -> str:
+    if repro is None or paper is None or repro.value is None or paper.value is None:
+        return "–"
+    if ratio:
+        return "–" if paper.value == 0 else f"×{repro.value / paper.value:.3g}"
+    return fmt_fixed(repro.value - paper.value, DECIMALS.get(repro.quantity, 2), sign=True)
+
+
+@dataclass
+class SideBySide:
+    """One block (e.g. one model) of a table: column headers and rows of (labels, [(repro, paper, delta)])."""
+
+    title: str
+    row_headers: list[str]
+    columns: list[str]
+    rows: list[tuple[list[str], list[tuple[str, str, str]]]]
+
+
+def side_by_side(name: str, repro: TableDoc, reported: TableDoc | None) -> list[SideBySide]:
+    """Pair reproduced and reported cells on MATCH_KEYS; cells only one side has show a dash on the other."""
+    lay = LAYOUTS[name]
+    paper_idx = {match_key(name, c): c for c in reported.cells} if reported else {}
+    repro_idx = {match_key(name, c): c for c in repro.cells}
+    order = list(dict.fromkeys([*repro_idx, *paper_idx]))
+    keys_of = {k: (repro_idx.get(k) or paper_idx[k]).keys for k in order}
+    fields = MATCH_KEYS[name]
+    blocks: dict[str, dict[str, Any]] = {}
+    for k in order:
+        keys = keys_of[k]
+        b = str(keys.get(lay.block, "")) if lay.block else ""
+        blk = blocks.setdefault(b, {"rows": {}, "cols": []})
+        col = str(keys[lay.col])
+        if col not in blk["cols"]:
+            blk["cols"].append(col)
+        blk["rows"].setdefault(tuple(str(keys[f]) for f in lay.rows), {})[col] = k
+    out = []
+    for title, blk in blocks.items():
+        rows = []
+        for labels, by_col in blk["rows"].items():
+            triples = []
+            for col in blk["cols"]:
+                k = by_col.get(col)
+                r, p = (repro_idx.get(k), paper_idx.get(k)) if k else (None, None)
+                triples.append((fmt_value(r), fmt_value(p), fmt_delta(r, p, lay.ratio)))
+            rows.append((list(labels), triples))
+        cols = [f"R@{c}" if lay.col == "budget" else COLUMN_NAMES.get(c, c) for c in blk["cols"]]
+        out.append(SideBySide(title, [f.capitalize() for f in lay.rows if f in fields], cols, rows))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- claims
+
+
+@dataclass
+class Claim:
+    """A statement of the paper, evaluated on the reproduced and on the reported numbers."""
+
+    id: str
+    source: str  # "Table 1", "Figure 4", ...
+    statement: str
+    reproduced: str
+    paper: str
+    holds_reproduced: bool | None
+    holds_paper: bool | None
+
+    @property
+    def agrees(self) -> bool | None:
+        if self.holds_reproduced is None or self.holds_paper is None:
+            return None
+        return self.holds_reproduced == self.holds_paper
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "agrees": self.agrees}
+
+
+Evaluation = tuple[str, bool | None]  # (text, does the claim hold)
+
+
+def _settings(doc: TableDoc, method: str) -> dict[tuple[str, str, str], dict[str, float]]:
+    """(model, workload, budget) -> {method label: value} for recall tables, only settings where ``method`` has one."""
+    out: dict[tuple[str, str, str], dict[str, float]] = {}
+    for c in doc.cells:
+        if c.value is not None:
+            out.setdefault((c.keys["model"], c.keys["workload"], str(c.keys["budget"])), {})[c.keys["method"]] = \
+                round(c.value, 2)
+    return {k: v for k, v in out.items() if method in v}
+
+
+def _count(doc: TableDoc | None, pred: Callable[[dict[str, float]], bool | None], budget: str | None = None
+           ) -> Evaluation:
+    if doc is None:
+        return "not rendered", None
+    hits = total = 0
+    for (_, _, b), vals in _settings(doc, "SpecPrefetch").items():
+        if budget is not None and b != budget:
+            continue
+        res = pred(vals)
+        if res is None:
+            continue
+        total += 1
+        hits += bool(res)
+    if total == 0:
+        return "no settings", None
+    return f"{hits} of {total}", hits * 2 > total
+
+
+def _beats(other: str, strict: bool = True) -> Callable[[dict[str, float]], bool | None]:
+    def pred(v: dict[str, float]) -> bool | None:
+        if other not in v:
+            return None
+        return v["SpecPrefetch"] > v[other] if strict else v["SpecPrefetch"] >= v[other]
+    return pred
+
+
+def _best_or_tied(v: dict[str, float]) -> bool:
+    return v["SpecPrefetch"] >= max(v.values())
+
+
+def _largest_gain(doc: TableDoc | None, other: str) -> Evaluation:
+    if doc is None:
+        return "not rendered", None
+    parts, holds = [], True
+    by_model: dict[str, tuple[float, str]] = {}
+    for (model, workload, budget), v in _settings(doc, "SpecPrefetch").items():
+        if other in v:
+            gain = v["SpecPrefetch"] - v[other]
+            if model not in by_model or gain > by_model[model][0]:
+                by_model[model] = (gain, f"{workload} R@{budget}")
+    for model, (gain, where) in by_model.items():
+        parts.append(f"{model}: {gain:+.2f} pp ({where})")
+        holds &= gain > 0
+    return ("; ".join(parts), holds) if parts else ("no settings", None)
+
+
+def _mean_gain_at(doc: TableDoc | None, other: str, budget: str) -> Evaluation:
+    if doc is None:
+        return "not rendered", None
+    by_model: dict[str, list[float]] = {}
+    for (model, _, b), v in _settings(doc, "SpecPrefetch").items():
+        if b == budget and other in v:
+            by_model.setdefault(model, []).append(v["SpecPrefetch"] - v[other])
+    if not by_model:
+        return "no settings", None
+    means = {m: sum(g) / len(g) for m, g in by_model.items()}
+    return "; ".join(f"{m}: {g:+.2f} pp" for m, g in means.items()), all(g > 0 for g in means.values())
+
+
+def _params_ratio(doc: TableDoc | None, other: str, below: float | None) -> Evaluation:
+    if doc is None:
+        return "not rendered", None
+    vals: dict[str, dict[str, float]] = {}
+    for c in doc.cells:
+        if c.value is not None:
+            vals.setdefault(c.keys["model"], {})[c.keys["method"]] = c.value
+    parts, holds = [], True
+    for model, v in vals.items():
+        if "SpecPrefetch" in v and v.get(other):
+            ratio = 100.0 * v["SpecPrefetch"] / v[other]
+            parts.append(f"{model}: {ratio:.1f}%")
+            holds &= below is None or ratio < below
+    if not parts:
+        return "no settings", None
+    return "; ".join(parts), (holds if below is not None else None)
+
+
+def _cell(doc: TableDoc | None, cid: str) -> Cell | None:
+    if doc is None:
+        return None
+    return doc.by_id().get(cid)
+
+
+def _value_claim(doc: TableDoc | None, cid: str, test: Callable[[float], bool], unit: str = "%",
+                 decimals: int = 2) -> Evaluation:
+    c = _cell(doc, cid)
+    if c is None or c.value is None:
+        return ("not rendered" if doc is None else "no value"), None
+    return f"{c.value:+.{decimals}f}{unit}", test(c.value)
+
+
+def _compare_cells(doc: TableDoc | None, a: str, b: str, label: str = "{a} vs {b}", decimals: int = 2,
+                   unit: str = "%") -> Evaluation:
+    ca, cb = _cell(doc, a), _cell(doc, b)
+    if ca is None or cb is None or ca.value is None or cb.value is None:
+        return ("not rendered" if doc is None else "no value"), None
+    return (label.format(a=f"{ca.value:.{decimals}f}{unit}", b=f"{cb.value:.{decimals}f}{unit}"),
+            ca.value > cb.value)
+
+
+def _in_text(rep: Reported, *ids: str, fmt: str = "{}") -> str:
+    vals = []
+    for i in ids:
+        it = rep.in_text.get(i)
+        vals.append("?" if it is None else (f"≈{it.value:g}" if it.approx else f"{it.value:g}"))
+    return fmt.format(*vals)
+
+
+def _table_claims(docs: Mapping[str, TableDoc], rep: Reported) -> list[Claim]:
+    t = docs.get
+    p = rep.tables.get
+    claims = []
+
+    def add(cid: str, source: str, statement: str, ev: Callable[[TableDoc | None], Evaluation], table: str) -> None:
+        r_text, r_holds = ev(t(table))
+        p_text, p_holds = ev(p(table))
+        claims.append(Claim(cid, source, statement, r_text, p_text, r_holds, p_holds))
+
+    add("t1_best_or_tied", "Table 1", "SpecPrefetch has the best or tied-best recall (settings)",
+        lambda d: _count(d, _best_or_tied), "table1_recall")
+    add("t1_beats_fate_at_k", "Table 1", "SpecPrefetch beats FATE at R@K",
+        lambda d: _count(d, _beats("FATE"), budget="K"), "table1_recall")
+    add("t1_beats_fate", "Table 1", "SpecPrefetch beats FATE (all budgets)",
+        lambda d: _count(d, _beats("FATE")), "table1_recall")
+    add("t1_beats_promoe", "Table 1", "SpecPrefetch beats ProMoE (all budgets)",
+        lambda d: _count(d, _beats("ProMoE")), "table1_recall")
+    add("t1_beats_draft", "Table 1", "SpecPrefetch beats Draft Model (where evaluated)",
+        lambda d: _count(d, _beats("Draft Model")), "table1_recall")
+    add("t1_largest_gain_fate", "Table 1", "Largest gain of SpecPrefetch over FATE is positive",
+        lambda d: _largest_gain(d, "FATE"), "table1_recall")
+    add("t2_beats_single_mlp", "Table 2", "SpecPrefetch beats the Single MLP (settings)",
+        lambda d: _count(d, _beats("Single MLP")), "table2_ablation")
+    add("t2_gain_at_k", "Table 2", "Mean gain over the Single MLP at R@K is positive",
+        lambda d: _mean_gain_at(d, "Single MLP", "K"), "table2_ablation")
+    add("t3_vs_promoe", "Table 3", "SpecPrefetch has fewer parameters than ProMoE (% of ProMoE)",
+        lambda d: _params_ratio(d, "ProMoE", 100.0), "table3_params")
+    add("t3_vs_draft", "Table 3", "SpecPrefetch has fewer parameters than Draft Model (% of Draft Model)",
+        lambda d: _params_ratio(d, "Draft Model", 100.0), "table3_params")
+    add("t3_vs_single_mlp", "Table 3", "SpecPrefetch parameters as % of the Single MLP (informational)",
+        lambda d: _params_ratio(d, "Single MLP", None), "table3_params")
+    add("t4_pred0_overhead", "Table 4", f"PRED0 within {PRED0_TOLERANCE_PCT:g}% of OFF (prediction overhead)",
+        lambda d: _value_claim(d, "PRED0/gain", lambda v: abs(v) <= PRED0_TOLERANCE_PCT), "table4_overhead")
+    add("t4_specprefetch_faster", "Table 4", "SpecPrefetch faster than OFF",
+        lambda d: _value_claim(d, "SpecPrefetch/gain", lambda v: v > 0), "table4_overhead")
+    add("t5_beats_naive_cold", "Table 5", "SpecPrefetch gains more than Naive Prefetch (cold storage)",
+        lambda d: _compare_cells(d, "SpecPrefetch/gain_cold", "Naive Prefetch/gain_cold", "{a} vs {b}"),
+        "table5_matched")
+    add("t5_beats_naive_slow", "Table 5", "SpecPrefetch gains more than Naive Prefetch (slow storage)",
+        lambda d: _compare_cells(d, "SpecPrefetch/gain_slow", "Naive Prefetch/gain_slow", "{a} vs {b}"),
+        "table5_matched")
+    add("t5_slow_over_cold", "Table 5", "SpecPrefetch's gain is larger under slow than cold storage",
+        lambda d: _compare_cells(d, "SpecPrefetch/gain_slow", "SpecPrefetch/gain_cold", "{a} vs {b}"),
+        "table5_matched")
+    add("t5_ready_recall", "Table 5", "SpecPrefetch has higher ReadyRecall than Naive Prefetch",
+        lambda d: _compare_cells(d, "SpecPrefetch/ready_recall", "Naive Prefetch/ready_recall",
+                                 "{a} vs {b}", decimals=1), "table5_matched")
+
+    def naive_no_gain(d: TableDoc | None) -> Evaluation:
+        cs = [_cell(d, f"Naive Prefetch/{c}") for c in ("gain_cold", "gain_slow")]
+        if d is None or any(c is None or c.value is None for c in cs):
+            return ("not rendered" if d is None else "no value"), None
+        return ", ".join(f"{c.value:+.2f}%" for c in cs), all(c.value <= 0 for c in cs)
+
+    add("t5_naive_no_gain", "Table 5", "Naive Prefetch provides no acceleration (gain ≤ 0, both storages)",
+        naive_no_gain, "table5_matched")
+    return claims
+
+
+def _figure_claims(figs: Mapping[str, TableDoc], rep: Reported) -> list[Claim]:
+    claims = []
+
+    def add(cid: str, source: str, statement: str, ev: Evaluation, paper: str, paper_holds: bool | None) -> None:
+        claims.append(Claim(cid, source, statement, ev[0], paper, ev[1], paper_holds))
+
+    lat = figs.get("fig1a_latency")
+    if lat is not None:
+        shares = [c for c in lat.cells if c.id.endswith("/expert_load_share") and c.keys.get("mode") == "on_demand"]
+        text = "; ".join(f"{c.keys['platform']}: {c.value:.0f}%" for c in shares)
+        add("f1a_load_share", "Figure 1(a)", "Exposed expert loading is over half of the on-demand per-layer latency",
+            (text or "no value", all(c.value > 50 for c in shares) if shares else None),
+            _in_text(rep, "fig1a/expert_load_share/gpu", "fig1a/expert_load_share/mobile_cold",
+                     fmt="GPU {}%; mobile cold {}%"), True)
+    win = figs.get("fig1b_window")
+    if win is not None:
+        ex = sorted((c for c in win.cells if c.id.endswith("/exceed_pct")), key=lambda c: (c.id.rsplit("/M", 1)[0],
+                                                                                         c.keys["M"]))
+        groups: dict[str, list[Cell]] = {}
+        for c in ex:
+            groups.setdefault(f"{c.keys['platform']}/{c.keys['model']}", []).append(c)
+        text = "; ".join(", ".join(f"top-{c.keys['M']}: {c.value:.0f}%" for c in cs) for cs in groups.values())
+        mono = all(all(a.value <= b.value for a, b in zip(cs, cs[1:], strict=False)) for cs in groups.values())
+        add("f1b_exceed", "Figure 1(b)", "More candidates exceed the window more often (demand > window, % events)",
+            (text or "no value", mono if groups else None),
+            _in_text(rep, "fig1b/exceed_pct/M4", "fig1b/exceed_pct/M8", fmt="top-4: {}%, top-8: {}%"), True)
+        wt = [c for c in win.cells if c.id.endswith("/window_transfers")]
+        add("f1b_window_transfers", "Figure 1(b)", "The window fits about this many expert transfers (informational)",
+            ("; ".join(f"{c.value:.1f}" for c in wt) or "no value", None),
+            _in_text(rep, "fig1b/window_transfers", fmt="{}"), None)
+    bud = figs.get("fig4_budget")
+    if bud is not None:
+        rr = sorted((c for c in bud.cells if c.id.endswith("/ready_recall")), key=lambda c: c.keys["m_max"])
+        tp = sorted((c for c in bud.cells if c.id.startswith("M") and c.id.endswith("/throughput")),
+                    key=lambda c: c.keys["m_max"])
+        if rr:
+            add("f4_ready_recall_rises", "Figure 4", "ReadyRecall rises from the smallest to the largest M_max",
+                (f"{rr[0].value:.1f}% → {rr[-1].value:.1f}%", rr[-1].value > rr[0].value),
+                _in_text(rep, "fig4/ready_recall/min_budget", "fig4/ready_recall/max_budget", fmt="{}% → {}%"), True)
+        if tp:
+            peak = max(tp, key=lambda c: c.value)
+            bounded = peak.keys["m_max"] < tp[-1].keys["m_max"]
+            add("f4_bounded_peak", "Figure 4", "Throughput peaks at a bounded M_max (below the largest swept)",
+                (f"peak at {peak.keys['m_max']} of {tp[0].keys['m_max']}–{tp[-1].keys['m_max']}", bounded),
+                _in_text(rep, "fig4/throughput_peak_m_max", fmt="peak at {}"), True)
+    sto = figs.get("fig5_storage")
+    if sto is not None:
+        gains = {c.keys["storage"]: c.value for c in sto.cells if c.id.endswith("/gain")}
+        if gains:
+            from specprefetch.render.style import STORAGE_ORDER
+
+            order = [s for s in STORAGE_ORDER if s in gains]
+            fastest, slowest = order[0], order[-1]
+            text = ", ".join(f"{s}: {gains[s]:+.1f}%" for s in order)
+            add("f5_gain_grows", "Figure 5", "SpecPrefetch's gain grows as storage slows (fastest vs slowest)",
+                (text, gains[slowest] > gains[fastest]),
+                _in_text(rep, "fig5/gain/slow_ufs", "fig5/gain/sdcard", fmt="slow UFS {}%, SD card {}%"), True)
+            if "slow_ufs" in gains:
+                add("f5_slow_ufs", "Figure 5", "SpecPrefetch faster than OFF under Slow UFS",
+                    (f"{gains['slow_ufs']:+.2f}%", gains["slow_ufs"] > 0),
+                    _in_text(rep, "fig5/gain/slow_ufs", fmt="{}%"), True)
+            if "sdcard" in gains:
+                add("f5_sdcard", "Figure 5", "SpecPrefetch faster than OFF on the SD card",
+                    (f"{gains['sdcard']:+.2f}%", gains["sdcard"] > 0),
+                    _in_text(rep, "fig5/gain/sdcard", fmt="{}%"), True)
+    comp = figs.get("fig6_component")
+    if comp is not None:
+        tps = {c.id.split("/")[0]: c.value for c in comp.cells if c.id.endswith("/throughput")}
+        if tps:
+            best = max(tps, key=lambda k: tps[k])
+            add("f6_combination_best", "Figure 6", "Compute optimization + SpecPrefetch is the fastest configuration",
+                (f"fastest: {best}", best == "+ Both"), "fastest: + Both", True)
+    return claims
+
+
+def evaluate_claims(docs: Mapping[str, TableDoc], figs: Mapping[str, TableDoc], rep: Reported) -> list[Claim]:
+    return _table_claims(docs, rep) + _figure_claims(figs, rep)
+
+
+# --------------------------------------------------------------------------------------------- outputs
+
+
+def _holds(h: bool | None) -> str:
+    return "n/a" if h is None else ("yes" if h else "no")
+
+
+def _agree_mark(a: bool | None, tex: bool) -> str:
+    if a is None:
+        return "--" if tex else "–"
+    if tex:
+        return r"\checkmark" if a else r"$\times$"
+    return "✓" if a else "✗"
+
+
+def vs_paper_tex(name: str, blocks: Sequence[SideBySide], claims: Sequence[Claim], cfg: Mapping[str, Any],
+                 title: str, templates: Path | None = None) -> str:
+    """The LaTeX companion of one table: reproduced | paper | difference per column, then the table's claims."""
+    ctx_blocks = []
+    for b in blocks:
+        ctx_blocks.append({
+            "title": latex_escape(b.title), "row_headers": [latex_escape(h) for h in b.row_headers],
+            "columns": [latex_escape(c).replace("R@", "R@") for c in b.columns],
+            "rows": [{"labels": [latex_escape(x) if i or not prev or x != prev[0] else ""
+                                 for i, x in enumerate(labels)],
+                      "cells": [latex_escape(x) for t in triples for x in t]}
+                     for (labels, triples), prev in zip(b.rows, [None] + [r[0] for r in b.rows], strict=False)],
+            "first_col": len(b.row_headers) + 1,
+        })
+    ctx_claims = [{"statement": latex_escape(c.statement), "reproduced": latex_escape(c.reproduced),
+                   "paper": latex_escape(c.paper), "agrees": _agree_mark(c.agrees, True)} for c in claims]
+    ratio = LAYOUTS[name].ratio
+    caption = (f"{latex_escape(title)} -- reproduced vs reported. Repro.: this run; Paper: the paper's value; "
+               + ("Ratio: reproduced / paper. " if ratio else "$\\Delta$: reproduced $-$ paper. ")
+               + latex_escape(profile_sentence(cfg)))
+    return render_template("vs_paper.tex.j2", {"caption": caption, "label": f"tab:{name}-vs-paper",
+                                               "blocks": ctx_blocks, "claims": ctx_claims,
+                                               "delta": "Ratio" if ratio else r"$\Delta$"}, templates)
+
+
+def _md_escape(s: str) -> str:
+    return s.replace("|", "\\|")
+
+
+def comparison_markdown(cfg: Mapping[str, Any], per_table: Mapping[str, list[SideBySide]],
+                        titles: Mapping[str, str], claims: Sequence[Claim]) -> str:
+    lines = ["# Reproduced vs reported", "", profile_sentence(cfg), ""]
+    agree = [c.agrees for c in claims if c.agrees is not None]
+    lines += [f"**Claims:** {sum(agree)} of {len(agree)} checkable claims of the paper hold the same way here "
+              f"({len(claims) - len(agree)} informational or not evaluable).", ""]
+    if cfg["profile"] != "paper":
+        lines += ["The models here are not the paper's checkpoints, so the numeric differences below are not "
+                  "errors; the claims (directions) are the comparison that carries over.", ""]
+    lines += ["## Claims", "", "| Source | Claim | Reproduced | Paper | Same? |", "|---|---|---|---|---|"]
+    for c in claims:
+        lines.append(f"| {c.source} | {_md_escape(c.statement)} | {_md_escape(c.reproduced)} "
+                     f"({_holds(c.holds_reproduced)}) | {_md_escape(c.paper)} ({_holds(c.holds_paper)}) | "
+                     f"{_agree_mark(c.agrees, False)} |")
+    for name, blocks in per_table.items():
+        ratio = LAYOUTS[name].ratio
+        lines += ["", f"## {titles[name]}", ""]
+        for b in blocks:
+            if b.title:
+                lines += [f"**{b.title}**", ""]
+            head = b.row_headers + [f"{c} {h}" for c in b.columns for h in ("repro.", "paper",
+                                                                             "ratio" if ratio else "Δ")]
+            lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            for labels, triples in b.rows:
+                lines.append("| " + " | ".join([*labels, *[x for t in triples for x in t]]) + " |")
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def compare_with_paper(cfg: Mapping[str, Any], table_jsons: Sequence[Path | str], figure_jsons: Sequence[Path | str],
+                       reported: Reported, out_dir: Path | str, markdown: Path | str | None = None,
+                       templates: Path | None = None) -> list[Claim]:
+    """Write ``<table>_vs_paper.tex`` per table, ``figures_vs_paper.tex``, ``comparison.md`` and ``comparison.json``.
+
+    ``table_jsons``/``figure_jsons`` are the JSON files written by render-tables/render-figures.
+    """
+    out_dir = Path(out_dir)
+    docs = {d.name: d for d in (read_table_doc(p) for p in table_jsons)}
+    figs = {d.name: d for d in (read_table_doc(p) for p in figure_jsons)}
+    claims = evaluate_claims(docs, figs, reported)
+    per_table: dict[str, list[SideBySide]] = {}
+    titles = {}
+    for name in TABLES:
+        if name not in docs:
+            continue
+        rep_doc = reported.tables.get(name)
+        blocks = side_by_side(name, docs[name], rep_doc)
+        per_table[name] = blocks
+        titles[name] = docs[name].title
+        source = "Table " + name[5]
+        tex = vs_paper_tex(name, blocks, [c for c in claims if c.source == source], cfg, docs[name].title,
+                           templates)
+        write_text_atomic(out_dir / f"{name}_vs_paper.tex", tex)
+    fig_claims = [c for c in claims if c.source.startswith("Figure")]
+    write_text_atomic(out_dir / "figures_vs_paper.tex", render_template("claims.tex.j2", {
+        "caption": "Claims about the paper's figures: reproduced vs reported. " + latex_escape(profile_sentence(cfg)),
+        "label": "tab:figures-vs-paper",
+        "claims": [{"source": latex_escape(c.source), "statement": latex_escape(c.statement),
+                    "reproduced": latex_escape(c.reproduced), "paper": latex_escape(c.paper),
+                    "agrees": _agree_mark(c.agrees, True)} for c in fig_claims]}, templates))
+    md = comparison_markdown(cfg, per_table, titles, claims)
+    write_text_atomic(Path(markdown) if markdown else out_dir / "comparison.md", md)
+    write_json_atomic(out_dir / "comparison.json", {"profile": cfg["profile"],
+                                                    "claims": [c.to_json() for c in claims]})
+    n_ok = sum(1 for c in claims if c.agrees)
+    log.info("compared with the paper: %d of %d checkable claims hold the same way", n_ok,
+             sum(1 for c in claims if c.agrees is not None))
+    return claims
+

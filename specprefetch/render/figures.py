@@ -1,0 +1,477 @@
+"""Figures 1(a), 1(b), 4, 5, 6 and the per-layer recall figure, with seaborn, as PDF (for LaTeX) and PNG.
+
+Each ``figure_*`` function takes checked DataFrames and returns the matplotlib figure plus a ``TableDoc`` of the
+numbers it plots (written next to the image as JSON), so the comparison with the paper and the diff tool read the
+plotted values rather than re-deriving them. Sizes are for one column of a two-column paper (3.3 in) with 7-8 pt
+text; colours come from ``style.PALETTE`` so a method looks the same in every figure.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from specprefetch.io import atomic_path  # noqa: E402
+from specprefetch.render.cells import Cell, TableDoc  # noqa: E402
+from specprefetch.render.data import (  # noqa: E402
+    RenderInputError,
+    experiment_rows,
+    mean_std,
+    paired_gains,
+    read_result_csv,
+    require_rows,
+    select_device,
+    summarize,
+    window_exceed_overall,
+    window_summary,
+)
+from specprefetch.render.profile import model_display, profile_name  # noqa: E402
+from specprefetch.render.style import (  # noqa: E402
+    COLUMN_WIDTH_IN,
+    LATENCY_COMPONENTS,
+    METHOD_ORDER,
+    MODE_LABELS,
+    POLICY_LABELS,
+    STORAGE_ORDER,
+    color,
+    method_label,
+    paper_rc,
+    storage_label,
+)
+from specprefetch.render.tables import model_budgets, render_settings  # noqa: E402
+
+log = logging.getLogger(__name__)
+DEFAULT_WINDOW_CANDIDATES = (2, 4, 8)
+
+
+@dataclass
+class FigureResult:
+    fig: Figure
+    doc: TableDoc
+
+
+def _theme() -> Any:
+    """Seaborn's ticks style with the paper's rc; a context manager so nothing leaks between figures."""
+    style = sns.axes_style("ticks", {"axes.grid": True, "grid.color": "#E6E6E6", "axes.edgecolor": "#333333"})
+    return plt.rc_context({**style, **paper_rc()})
+
+
+def _display(cfg: Mapping[str, Any], model: str) -> str:
+    return model_display(cfg, model) if model in cfg["models"] else model
+
+
+def save_figure(fig: Figure, out_base: Path | str, dpi: int = 300) -> tuple[Path, Path]:
+    """Write ``<base>.pdf`` and ``<base>.png`` atomically, without timestamps so a rerun gives the same bytes."""
+    base = Path(out_base)
+    pdf, png = base.with_suffix(".pdf"), base.with_suffix(".png")
+    with atomic_path(pdf) as tmp:
+        fig.savefig(tmp, format="pdf", metadata={"CreationDate": None, "ModDate": None, "Producer": None})
+    with atomic_path(png) as tmp:
+        fig.savefig(tmp, format="png", dpi=dpi, metadata={"Software": None})
+    plt.close(fig)
+    return pdf, png
+
+
+def _caption_note(cfg: Mapping[str, Any], extra: str = "") -> str:
+    return f"{profile_name(cfg)} profile" + (f"; {extra}" if extra else "")
+
+
+# --------------------------------------------------------------------------------------------- Figure 1(a)
+
+
+def figure_latency(latency: pd.DataFrame, cfg: Mapping[str, Any]) -> FigureResult:
+    """Per-layer decoding latency, resident vs on-demand, stacked by component; one panel per platform."""
+    from specprefetch.render.data import latency_summary
+
+    comp = latency_summary(latency)
+    panels = list(comp.groupby(["platform", "model"], sort=True))
+    cells = []
+    with _theme():
+        fig, axes = plt.subplots(len(panels), 1, figsize=(COLUMN_WIDTH_IN, 0.55 + 0.85 * len(panels)),
+                                 squeeze=False)
+        for ax, ((platform, model), g) in zip(axes[:, 0], panels, strict=True):
+            modes = [m for m in MODE_LABELS if m in set(g["mode"])]
+            for y, mode in enumerate(modes):
+                left = 0.0
+                gm = g[g["mode"] == mode].set_index("component")
+                for comp_name, (label, col) in LATENCY_COMPONENTS.items():
+                    ms = float(gm["ms"].get(comp_name, 0.0))
+                    ax.barh(y, ms, left=left, color=col, height=0.62, edgecolor="white", linewidth=0.4,
+                            label=label if y == 0 and ax is axes[0, 0] else None)
+                    left += ms
+                    cells.append(Cell(id=f"{platform}/{model}/{mode}/{comp_name}", quantity="latency_ms", value=ms,
+                                      keys={"platform": platform, "model": model, "mode": mode,
+                                            "component": comp_name}))
+                share = float(gm["share_pct"].get("expert_load", 0.0))
+                cells.append(Cell(id=f"{platform}/{model}/{mode}/expert_load_share", quantity="share_pct",
+                                  value=share, keys={"platform": platform, "model": model, "mode": mode}))
+                if share > 0:
+                    ax.text(left, y, f" {share:.0f}% load", va="center", ha="left", fontsize=6.5)
+            ax.set_yticks(range(len(modes)), [MODE_LABELS[m] for m in modes])
+            ax.invert_yaxis()
+            ax.set_xlim(0, ax.get_xlim()[1] * 1.22)
+            ax.set_title(f"{platform} · {_display(cfg, model)}", loc="left")
+            ax.set_xlabel("Per-layer latency (ms)")
+            ax.grid(axis="y", visible=False)
+        handles, labels = axes[0, 0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="upper center", ncol=3, frameon=False, bbox_to_anchor=(0.5, 1.0),
+                   columnspacing=0.8, handlelength=1.0)
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.30 / fig.get_figheight()))
+    doc = TableDoc("fig1a_latency", "Figure 1(a): per-layer latency, resident vs on-demand", cfg["profile"], cells,
+                   meta={"note": _caption_note(cfg)})
+    return FigureResult(fig, doc)
+
+
+# --------------------------------------------------------------------------------------------- Figure 1(b)
+
+
+def figure_window(window: pd.DataFrame, events: pd.DataFrame, cfg: Mapping[str, Any],
+                  events_path: Path | str = "window_events.csv") -> FigureResult:
+    """Prefetch window vs candidate transfer demand per layer; legend gives % of events over the window per M."""
+    candidates = tuple(render_settings(cfg).get("window_candidates") or DEFAULT_WINDOW_CANDIDATES)
+    summ = window_summary(window, events, events_path, candidates)
+    overall = window_exceed_overall(events, candidates)
+    panels = list(summ.groupby(["platform", "model"], sort=True))
+    ms_sorted = sorted(summ["M"].unique())
+    greens = sns.color_palette("rocket_r", len(ms_sorted) + 2)[1:-1]
+    cells = []
+    with _theme():
+        fig, axes = plt.subplots(len(panels), 1, figsize=(COLUMN_WIDTH_IN, 0.4 + 1.85 * len(panels)), squeeze=False)
+        for ax, ((platform, model), g) in zip(axes[:, 0], panels, strict=True):
+            win = g.drop_duplicates("layer").sort_values("layer")
+            if win["window_ms"].isna().any():
+                raise RenderInputError(f"window.csv: no window_ms for platform={platform!r}, model={model!r}, "
+                                       f"layer {int(win.loc[win['window_ms'].isna(), 'layer'].iloc[0])} "
+                                       "(window_events.csv has events there)")
+            transfers = float(win["window_ms"].mean() / win["transfer_ms"].mean())
+            ax.plot(win["layer"], win["window_ms"], color="black", marker="o", zorder=3,
+                    label=f"Window $W_l$ (≈{transfers:.1f} transfers)")
+            for m, col in zip(ms_sorted, greens, strict=True):
+                gm = g[g["M"] == m].sort_values("layer")
+                pct = overall[(overall["platform"] == platform) & (overall["model"] == model) & (overall["M"] == m)]
+                pct_v = float(pct["exceed_pct"].iloc[0]) if not pct.empty else float("nan")
+                ax.plot(gm["layer"], gm["demand_ms"], color=col, marker="s", linestyle="--",
+                        label=f"Top-{m} demand ({pct_v:.0f}% > $W_l$)")
+                cells.append(Cell(id=f"{platform}/{model}/M{m}/exceed_pct", quantity="exceed_pct", value=pct_v,
+                                  keys={"platform": platform, "model": model, "M": int(m)}))
+                for r in gm.itertuples():
+                    cells.append(Cell(id=f"{platform}/{model}/M{m}/layer{r.layer}/demand_ms", quantity="demand_ms",
+                                      value=float(r.demand_ms), keys={"platform": platform, "model": model,
+                                                                      "M": int(m), "layer": int(r.layer)}))
+            cells.append(Cell(id=f"{platform}/{model}/window_transfers", quantity="window_ms", value=transfers,
+                              keys={"platform": platform, "model": model}, text=f"{transfers:.2f}"))
+            for r in win.itertuples():
+                cells.append(Cell(id=f"{platform}/{model}/layer{r.layer}/window_ms", quantity="window_ms",
+                                  value=float(r.window_ms), keys={"platform": platform, "model": model,
+                                                                  "layer": int(r.layer)}))
+            ax.set_title(f"{platform} · {_display(cfg, model)}", loc="left")
+            ax.set_xlabel("MoE layer $l$ (prefetch for $l+1$)")
+            ax.set_ylabel("Time (ms)")
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+            ax.set_ylim(bottom=0)
+            ax.legend(loc="upper left", frameon=True, framealpha=0.9, edgecolor="none", ncol=2,
+                      columnspacing=0.6, handlelength=1.6, fontsize=6)
+            ax.set_ylim(top=ax.get_ylim()[1] * 1.3)
+        fig.tight_layout()
+    doc = TableDoc("fig1b_window", "Figure 1(b): prefetch window vs candidate transfer demand", cfg["profile"],
+                   cells, meta={"candidates": list(candidates), "note": _caption_note(cfg)})
+    return FigureResult(fig, doc)
+
+
+# --------------------------------------------------------------------------------------------- runs-based figures
+
+
+def _device_rows(runs: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any], experiment: str
+                 ) -> tuple[pd.DataFrame, Any]:
+    sel = select_device(runs, path, cfg)
+    return experiment_rows(runs, path, sel, experiment), sel
+
+
+def _one_storage(rows: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any], what: str) -> pd.DataFrame:
+    """An experiment's rows on one storage: the only one present, else render.device.cold_storage (as the paper's
+    Figures 4 and 6 are on cold-cache NVMe); averaging over storages would mix different regimes."""
+    storages = sorted(rows["storage"].unique())
+    if len(storages) == 1:
+        return rows
+    cold = render_settings(cfg)["device"]["cold_storage"]
+    if cold not in storages:
+        raise RenderInputError(f"{path}: {what} has rows on several storages ({', '.join(storages)}) and none on "
+                               f"render.device.cold_storage={cold!r}")
+    return rows[rows["storage"] == cold]
+
+
+def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv") -> FigureResult:
+    """Figure 4: throughput and ReadyRecall of SpecPrefetch vs M_max (mean ± std over repeats), OFF as reference."""
+    rows, sel = _device_rows(runs, path, cfg, "sweep")
+    rows = _one_storage(rows, path, cfg, "experiment 'sweep'")
+    spec = require_rows(rows, path, "Figure 4 (the M_max sweep)", policy="specprefetch")
+    if spec["m_max"].isna().any():
+        raise RenderInputError(f"{path}: column 'm_max' is empty for sweep rows of policy 'specprefetch'")
+    spec = spec.assign(m_max=spec["m_max"].astype(int), ready_pct=spec["ready_recall"] * 100.0)
+    summ = summarize(spec, ["m_max"], ["tokens_per_s", "ready_pct"])
+    off = rows[rows["policy"] == "off"]
+    profiled = None
+    main = runs[(runs["platform"] == sel.platform) & (runs["model"] == sel.model) & (runs["experiment"] == "main")
+                & (runs["source"] == sel.sources[0]) & (runs["policy"] == "specprefetch")]
+    if not main.empty and main["m_max"].notna().any():
+        profiled = int(main["m_max"].dropna().iloc[0])
+    peak = int(summ.loc[summ["tokens_per_s_mean"].idxmax(), "m_max"])
+    c = color("specprefetch")
+    cells = []
+    with _theme():
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(COLUMN_WIDTH_IN, 2.9), sharex=True)
+        ax1.errorbar(summ["m_max"], summ["tokens_per_s_mean"], yerr=summ["tokens_per_s_std"], color=c, marker="o",
+                     label="SpecPrefetch")
+        ax1.plot([peak], summ.loc[summ["m_max"] == peak, "tokens_per_s_mean"], marker="*", markersize=9, color=c,
+                 linestyle="none", label=f"peak ($M_{{\\max}}={peak}$)")
+        if not off.empty:
+            om, osd, on = mean_std(off["tokens_per_s"])
+            ax1.axhline(om, color=color("off"), linestyle="--", linewidth=1.0, label="OFF")
+            ax1.axhspan(om - osd, om + osd, color=color("off"), alpha=0.15, linewidth=0)
+            cells.append(Cell(id="OFF/throughput", quantity="throughput", value=om, std=osd, n=on,
+                              keys={"policy": "OFF"}))
+        ax1.set_ylabel("Throughput (tok/s)")
+        ax1.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False, columnspacing=1.0,
+                   handlelength=1.5)
+        ax2.errorbar(summ["m_max"], summ["ready_pct_mean"], yerr=summ["ready_pct_std"], color=c, marker="s")
+        ax2.set_ylabel("ReadyRecall (%)")
+        ax2.set_xlabel(r"Maximum prefetch budget $M_{\max}$ (experts per layer)")
+        ax2.set_xticks(summ["m_max"].tolist())
+        for ax in (ax1, ax2):
+            if profiled is not None:
+                ax.axvline(profiled, color="#555555", linestyle=":", linewidth=0.9)
+        if profiled is not None:
+            ax2.annotate("profiled", xy=(profiled, ax2.get_ylim()[0]), xytext=(2, 2), textcoords="offset points",
+                         fontsize=6, color="#555555")
+        fig.align_ylabels((ax1, ax2))
+        fig.tight_layout(h_pad=0.4)
+    for r in summ.itertuples():
+        cells.append(Cell(id=f"M{r.m_max}/throughput", quantity="throughput", value=r.tokens_per_s_mean,
+                          std=r.tokens_per_s_std, n=r.n, keys={"m_max": int(r.m_max)}))
+        cells.append(Cell(id=f"M{r.m_max}/ready_recall", quantity="ready_recall", value=r.ready_pct_mean,
+                          std=r.ready_pct_std, n=r.n, keys={"m_max": int(r.m_max)}))
+    cells.append(Cell(id="peak_m_max", quantity="m_max", value=float(peak), keys={}))
+    doc = TableDoc("fig4_budget", "Figure 4: prefetch budget sweep", cfg["profile"], cells,
+                   meta={"platform": sel.platform, "model": sel.model, "profiled_m_max": profiled,
+                         "storage": sorted(spec["storage"].unique()), "note": _caption_note(cfg)})
+    return FigureResult(fig, doc)
+
+
+def _gain_label(g: float) -> str:
+    return f"{g:+.1f}%"
+
+
+def figure_storage(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv") -> FigureResult:
+    """Figure 5: OFF vs SpecPrefetch throughput per storage profile (fastest to slowest), paired gain on top."""
+    rows, sel = _device_rows(runs, path, cfg, "storage")
+    rows = rows[rows["policy"].isin(["off", "specprefetch"])]
+    require_rows(rows, path, "Figure 5", policy="specprefetch")
+    g = paired_gains(rows, path)
+    storages = [s for s in STORAGE_ORDER if s in set(g["storage"])]
+    policies = ["off", "specprefetch"]
+    plot = g.assign(Storage=g["storage"].map(storage_label), Policy=g["policy"].map(POLICY_LABELS))
+    summ = summarize(g, ["storage", "policy"], ["tokens_per_s", "gain_pct"])
+    cells = []
+    with _theme():
+        fig, ax = plt.subplots(figsize=(COLUMN_WIDTH_IN, 2.2))
+        sns.barplot(data=plot, x="Storage", y="tokens_per_s", hue="Policy",
+                    order=[storage_label(s) for s in storages], hue_order=[POLICY_LABELS[p] for p in policies],
+                    palette={POLICY_LABELS[p]: color(p) for p in policies}, errorbar="sd", capsize=0.15, saturation=1.0,
+                    err_kws={"linewidth": 0.8}, width=0.72, ax=ax)
+        top = summ.groupby("storage")["tokens_per_s_mean"].max() + summ.groupby("storage")["tokens_per_s_std"].max()
+        for i, s in enumerate(storages):
+            sp = summ[(summ["storage"] == s) & (summ["policy"] == "specprefetch")]
+            gain = float(sp["gain_pct_mean"].iloc[0])
+            ax.text(i, float(top[s]) * 1.03, _gain_label(gain), ha="center", va="bottom", fontsize=6.5,
+                    color=color("specprefetch"), fontweight="bold")
+            cells.append(Cell(id=f"{s}/gain", quantity="gain", value=gain, std=float(sp["gain_pct_std"].iloc[0]),
+                              n=int(sp["n"].iloc[0]), keys={"storage": s, "policy": "SpecPrefetch"}))
+        for r in summ.itertuples():
+            cells.append(Cell(id=f"{r.storage}/{POLICY_LABELS[r.policy]}/throughput", quantity="throughput",
+                              value=r.tokens_per_s_mean, std=r.tokens_per_s_std, n=r.n,
+                              keys={"storage": r.storage, "policy": POLICY_LABELS[r.policy]}))
+        ax.set_ylim(0, float(top.max()) * 1.18)
+        ax.set_xlabel("Expert storage (fast → slow)")
+        ax.set_ylabel("Throughput (tok/s)")
+        ax.legend(title=None, frameon=False, loc="upper right", ncol=2)
+        fig.tight_layout()
+    doc = TableDoc("fig5_storage", "Figure 5: storage sensitivity", cfg["profile"], cells,
+                   meta={"platform": sel.platform, "model": sel.model, "note": _caption_note(cfg)})
+    return FigureResult(fig, doc)
+
+
+COMPONENT_BARS = (  # (policy, compute_opt, label)
+    ("off", False, "Baseline"),
+    ("off", True, "+ Compute\nopt."),
+    ("specprefetch", False, "+ Spec-\nPrefetch"),
+    ("specprefetch", True, "+ Both"),
+)
+
+
+def figure_component(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv") -> FigureResult:
+    """Figure 6: compute optimization and SpecPrefetch alone and combined (cold page cache), gain vs baseline."""
+    rows, sel = _device_rows(runs, path, cfg, "component")
+    rows = _one_storage(rows, path, cfg, "experiment 'component'")
+    for policy, opt, _ in COMPONENT_BARS:
+        require_rows(rows, path, "Figure 6", policy=policy, compute_opt=opt)
+    g = paired_gains(rows, path, baseline={"policy": "off", "compute_opt": False}, match_compute_opt=False)
+    cells = []
+    with _theme():
+        fig, ax = plt.subplots(figsize=(COLUMN_WIDTH_IN, 2.0))
+        for i, (policy, opt, label) in enumerate(COMPONENT_BARS):
+            sub = g[(g["policy"] == policy) & (g["compute_opt"] == opt)]
+            m, s, n = mean_std(sub["tokens_per_s"])
+            gm, gs, _ = mean_std(sub["gain_pct"])
+            ax.bar(i, m, yerr=s, color=color(policy), hatch="////" if opt else None, edgecolor="white",
+                   linewidth=0.4, width=0.66, error_kw={"elinewidth": 0.8, "capsize": 2})
+            if i:
+                ax.annotate(_gain_label(gm), xy=(i, m + s), xytext=(0, 2), textcoords="offset points",
+                            ha="center", va="bottom", fontsize=6.5)
+            key = {"policy": POLICY_LABELS[policy], "compute_opt": opt}
+            name = label.replace("\n", "").replace("Spec-", "Spec")
+            cells.append(Cell(id=f"{name}/throughput", quantity="throughput", value=m, std=s, n=n, keys=key))
+            cells.append(Cell(id=f"{name}/gain", quantity="gain", value=gm, std=gs, n=n, keys=key))
+        ax.set_xticks(range(len(COMPONENT_BARS)), [b[2] for b in COMPONENT_BARS])
+        ax.set_ylabel("Throughput (tok/s)")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
+        ax.grid(axis="x", visible=False)
+        fig.tight_layout()
+    doc = TableDoc("fig6_component", "Figure 6: cold-cache component analysis", cfg["profile"], cells,
+                   meta={"platform": sel.platform, "model": sel.model, "note": _caption_note(cfg)})
+    return FigureResult(fig, doc)
+
+
+# --------------------------------------------------------------------------------------------- per-layer recall
+
+
+def figure_recall_per_layer(per_layer: pd.DataFrame, cfg: Mapping[str, Any],
+                            path: Path | str = "per_layer.csv") -> FigureResult:
+    """ExpertRecall@K per target layer for every method (mean over workloads), one panel per model."""
+    models = [m for m in cfg["models"] if m in set(per_layer["model"])]
+    if not models:
+        raise RenderInputError(f"{path}: no rows for any configured model ({', '.join(cfg['models'])}) "
+                               "(column 'model')")
+    cells = []
+    with _theme():
+        fig, axes = plt.subplots(len(models), 1, figsize=(COLUMN_WIDTH_IN, 0.7 + 1.6 * len(models)), squeeze=False,
+                                 sharey=True)
+        for ax, m in zip(axes[:, 0], models, strict=True):
+            k = cfg["models"][m]["top_k"]
+            native = [b.M for b in model_budgets(cfg, m) if b.M == k]
+            mk = native[0] if native else k
+            sub = per_layer[(per_layer["model"] == m) & (per_layer["M"] == mk)]
+            if sub.empty:
+                raise RenderInputError(f"{path}: no rows with model={m!r}, M={mk} (column 'M'; the native budget K)")
+            mean = sub.groupby(["method", "layer"], sort=True)["expert_recall"].mean().reset_index()
+            methods = [x for x in METHOD_ORDER if x in set(mean["method"])]
+            for meth in methods:
+                gm = mean[mean["method"] == meth]
+                lw = 1.8 if meth == "specprefetch" else 1.0
+                ax.plot(gm["layer"], gm["expert_recall"] * 100.0, color=color(meth), marker="o", linewidth=lw,
+                        markersize=2.5, label=method_label(meth), zorder=3 if meth == "specprefetch" else 2)
+                for r in gm.itertuples():
+                    cells.append(Cell(id=f"{model_display(cfg, m)}/{method_label(meth)}/layer{r.layer}",
+                                      quantity="recall", value=float(r.expert_recall) * 100.0,
+                                      keys={"model": model_display(cfg, m), "method": method_label(meth),
+                                            "layer": int(r.layer), "M": mk}))
+            ax.set_title(f"{model_display(cfg, m)}, $M=K={mk}$", loc="left")
+            ax.set_ylabel(f"R@{mk} (%)")
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        axes[-1, 0].set_xlabel("Target MoE layer $l+1$")
+        handles, labels = {}, {}
+        for ax in axes[:, 0]:
+            for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+                handles.setdefault(lab, h)
+        fig.legend(list(handles.values()), list(handles.keys()), loc="upper center", ncol=4, frameon=False,
+                   bbox_to_anchor=(0.5, 1.0), columnspacing=0.8, handlelength=1.5)
+        rows = math.ceil(len(handles) / 4)
+        fig.tight_layout(rect=(0, 0, 1, 1 - (0.05 + 0.13 * rows) / fig.get_figheight()))
+    doc = TableDoc("fig_recall_per_layer", "Per-layer ExpertRecall@K per method", cfg["profile"], cells,
+                   meta={"note": _caption_note(cfg)})
+    return FigureResult(fig, doc)
+
+
+# --------------------------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    name: str
+    inputs: tuple[str, ...]
+    build: Callable[[Mapping[str, Path], Mapping[str, Any]], FigureResult]
+    caption: str
+    paper_label: str
+
+
+def _from_csv(contract: str, fn: Callable[..., FigureResult]) -> Callable[[Mapping[str, Path], Mapping[str, Any]],
+                                                                           FigureResult]:
+    def build(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> FigureResult:
+        path = inputs[contract]
+        return fn(read_result_csv(path, contract), cfg, path)
+    return build
+
+
+def _build_latency(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> FigureResult:
+    return figure_latency(read_result_csv(inputs["latency"], "latency"), cfg)
+
+
+def _build_window(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> FigureResult:
+    return figure_window(read_result_csv(inputs["window"], "window"),
+                         read_result_csv(inputs["window_events"], "window_events"), cfg, inputs["window_events"])
+
+
+FIGURES: dict[str, FigureSpec] = {
+    "fig1a_latency": FigureSpec("fig1a_latency", ("latency",), _build_latency,
+                                "Per-layer decoding latency under resident and on-demand expert loading, by "
+                                "component; the label gives the exposed expert-loading share.", "Figure 1(a)"),
+    "fig1b_window": FigureSpec("fig1b_window", ("window", "window_events"), _build_window,
+                               "Measured prefetch window and candidate transfer demand per layer; percentages are "
+                               "the fraction of events whose demand exceeds their window.", "Figure 1(b)"),
+    "fig4_budget": FigureSpec("fig4_budget", ("runs",), _from_csv("runs", figure_budget),
+                              "Impact of the maximum prefetch budget $M_{\\max}$ on throughput and ReadyRecall "
+                              "(mean $\\pm$ std over repeats; dotted: the profiled budget).", "Figure 4"),
+    "fig5_storage": FigureSpec("fig5_storage", ("runs",), _from_csv("runs", figure_storage),
+                               "Storage sensitivity of decoding throughput, OFF vs SpecPrefetch, with the paired "
+                               "throughput gain of SpecPrefetch per storage profile.", "Figure 5"),
+    "fig6_component": FigureSpec("fig6_component", ("runs",), _from_csv("runs", figure_component),
+                                 "Cold-cache component analysis: compute optimization and prediction-guided "
+                                 "prefetching alone and combined (hatched: compute optimization on).", "Figure 6"),
+    "fig_recall_per_layer": FigureSpec("fig_recall_per_layer", ("per_layer",),
+                                       _from_csv("per_layer", figure_recall_per_layer),
+                                       "ExpertRecall@$K$ per target layer for every predictor, mean over "
+                                       "workloads.", "Per-layer recall (not in the paper)"),
+}
+
+
+def render_figure(name: str, cfg: Mapping[str, Any], inputs: Mapping[str, Path | str], out_dir: Path | str
+                  ) -> TableDoc:
+    """Build figure ``name`` from its CSVs and write ``<out_dir>/<name>.{pdf,png,json}`` atomically."""
+    if name not in FIGURES:
+        raise RenderInputError(f"unknown figure {name!r}; choose from {', '.join(FIGURES)}")
+    spec = FIGURES[name]
+    missing = [k for k in spec.inputs if k not in inputs]
+    if missing:
+        raise RenderInputError(f"{name}: needs input(s) {', '.join(missing)} (e.g. --{missing[0].replace('_', '-')}"
+                               " PATH)")
+    res = spec.build({k: Path(inputs[k]) for k in spec.inputs}, cfg)
+    base = Path(out_dir) / name
+    save_figure(res.fig, base)
+    res.doc.meta.setdefault("inputs", {k: str(inputs[k]) for k in spec.inputs})
+    res.doc.meta["caption"] = spec.caption
+    res.doc.meta["paper_label"] = spec.paper_label
+    res.doc.write(base.with_suffix(".json"))
+    log.info("wrote %s.{pdf,png,json} (%d values)", base, len(res.doc.cells))
+    return res.doc
+

@@ -1,0 +1,510 @@
+"""Tables 1-5 of the paper as LaTeX (jinja2 templates in workflow/templates, booktabs) plus their cells as JSON.
+
+Each ``build_tableN`` turns the checked result CSVs into (a) a template context with every cell already formatted
+(percent with 2 decimals, ``mean ± std``, "0.82M"), bolded where it is the best of its comparison, and (b) a
+``TableDoc`` holding the same numbers unformatted. The templates only lay the cells out, so what the diff tool and
+the comparison with the paper read is exactly what the table prints.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pandas as pd
+
+from specprefetch.config import METHOD_LABELS, REPO_ROOT, resolve_budget
+from specprefetch.io import write_text_atomic
+from specprefetch.render.cells import (
+    Cell,
+    TableDoc,
+    best_mask,
+    bold,
+    fmt_fixed,
+    fmt_params,
+    latex_escape,
+    pm,
+    tex_cell,
+    throughput_decimals,
+)
+from specprefetch.render.data import (
+    DeviceSelection,
+    RenderInputError,
+    experiment_rows,
+    mean_std,
+    paired_gains,
+    read_result_csv,
+    require_rows,
+    select_device,
+)
+from specprefetch.render.profile import model_display, profile_sentence
+from specprefetch.render.style import POLICY_LABELS, POLICY_LATEX, storage_label
+
+log = logging.getLogger(__name__)
+
+TEMPLATES_DIR = REPO_ROOT / "workflow" / "templates"
+TABLE1_METHODS = ("fate", "draft_model", "promoe", "specprefetch")
+TABLE2_METHODS = ("single_mlp", "specprefetch")
+TABLE3_METHODS = ("single_mlp", "draft_model", "promoe", "specprefetch")
+TABLE5_POLICIES = ("naive", "fate", "specprefetch")
+CATEGORIES = (("LLM", "LLM Workloads"), ("VLM", "VLM Workloads"))
+RECALL_DECIMALS = 2
+DEFAULT_RENDER: dict[str, Any] = {
+    "out_dir": "paper_tables",
+    "device": {"platform": None, "model": None, "source": None, "cold_storage": "nvme_cold",
+               "slow_storage": "slow_ufs"},
+}
+
+
+def render_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """``cfg['render']`` over the defaults (the section is optional; every key has a default)."""
+    user = dict(cfg.get("render") or {})
+    out = {**DEFAULT_RENDER, **user}
+    out["device"] = {**DEFAULT_RENDER["device"], **(user.get("device") or {})}
+    return out
+
+
+# --------------------------------------------------------------------------------------------- templates
+
+
+def template_env(templates: Path | None = None) -> jinja2.Environment:
+    """A jinja2 environment with LaTeX-safe delimiters (<< >>, <% %>) so braces stay LaTeX's own."""
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates or TEMPLATES_DIR)),
+        block_start_string="<%", block_end_string="%>",
+        variable_start_string="<<", variable_end_string=">>",
+        comment_start_string="<#", comment_end_string="#>",
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined, autoescape=False,
+    )
+
+
+def render_template(name: str, context: Mapping[str, Any], templates: Path | None = None) -> str:
+    try:
+        return template_env(templates).get_template(name).render(**context)
+    except jinja2.TemplateNotFound:
+        raise RenderInputError(f"template {name!r} not found in {templates or TEMPLATES_DIR}") from None
+
+
+# --------------------------------------------------------------------------------------------- budgets
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One R@M column: M, the config expression it came from (K/2, K, K+2) and whether R@M is bounded by M/K."""
+
+    M: int
+    role: str
+    top_k: int
+
+    @property
+    def bounded(self) -> bool:
+        return self.M < self.top_k
+
+    @property
+    def header(self) -> str:
+        return f"R@{self.M}" + (r"$^\dagger$" if self.bounded else "")
+
+    @property
+    def plain(self) -> str:
+        return f"R@{self.M}" + ("†" if self.bounded else "")
+
+
+def model_budgets(cfg: Mapping[str, Any], model: str) -> list[Budget]:
+    """The table's budget columns for a model: config recall.budgets in order (extra budgets are for figures)."""
+    k = cfg["models"][model]["top_k"]
+    seen: dict[int, Budget] = {}
+    for expr in cfg["recall"]["budgets"]:
+        m = resolve_budget(expr, k)
+        seen.setdefault(m, Budget(m, str(expr), k))
+    return list(seen.values())
+
+
+def budget_note(cfg: Mapping[str, Any], models: list[str]) -> str:
+    exprs = ", ".join(str(b) for b in cfg["recall"]["budgets"])
+    ks = " and ".join(f"$K={cfg['models'][m]['top_k']}$ for {latex_escape(model_display(cfg, m))}" for m in models)
+    return (rf"$R@M$ denotes ExpertRecall@$M$ with $M$ predicted candidates. The evaluated budgets are "
+            rf"$\{{{exprs}\}}$, where {ks}. $^\dagger$: $M<K$, so $R@M\le M/K$ (50\% for $M=K/2$). "
+            r"Bold: best in its comparison. --: not evaluated.")
+
+
+# --------------------------------------------------------------------------------------------- recall frame
+
+
+def _config_methods(cfg: Mapping[str, Any], wanted: tuple[str, ...], table: str) -> list[str]:
+    methods = [m for m in wanted if m in cfg["predictors"]["methods"]]
+    if "specprefetch" not in methods:
+        raise RenderInputError(f"{table}: config predictors.methods lacks 'specprefetch'; the table compares to it")
+    return methods
+
+
+def recall_frame(recall: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any],
+                 methods: list[str]) -> pd.DataFrame:
+    """recall.csv restricted to the config's models, workloads and ``methods``, recall in percent.
+
+    Rows of models/workloads outside the config are dropped with a warning (a stale file); a configured model,
+    workload or method without any row, or a duplicated measurement, is an error naming it.
+    """
+    models, workloads = list(cfg["models"]), list(cfg["workloads"])
+    stale = recall[~recall["model"].isin(models) | ~recall["workload"].isin(workloads)]
+    if not stale.empty:
+        log.warning("%s: ignoring %d rows of models/workloads not in the config (%s)", path, len(stale),
+                    ", ".join(sorted(set(stale["model"]) | set(stale["workload"]))[:6]))
+    df = recall[recall["model"].isin(models) & recall["workload"].isin(workloads) & recall["method"].isin(methods)]
+    for col, names in (("model", models), ("workload", workloads), ("method", methods)):
+        absent = [n for n in names if n not in set(df[col])]
+        if absent:
+            raise RenderInputError(f"{path}: no rows with {col}={absent[0]!r} (column {col!r}; "
+                                   f"the config lists it)")
+    dup = df.duplicated(["model", "workload", "method", "M"], keep=False)
+    if dup.any():
+        r = df[dup].iloc[0]
+        raise RenderInputError(f"{path}: duplicate rows for model={r['model']!r}, workload={r['workload']!r}, "
+                               f"method={r['method']!r}, M={r['M']} (column 'M')")
+    out = df.copy()
+    out["pct"] = out["expert_recall"] * 100.0
+    return out
+
+
+def _lookup(df: pd.DataFrame) -> dict[tuple[str, str, str, int], float]:
+    return {(r.model, r.workload, r.method, int(r.M)): float(r.pct) for r in df.itertuples()}
+
+
+def _recall_cell(table: str, cfg: Mapping[str, Any], values: Mapping[tuple[str, str, str, int], float],
+                 model: str, workload: str, method: str, b: Budget) -> Cell:
+    mdisp, wdisp, label = model_display(cfg, model), cfg["workloads"][workload]["display_name"], METHOD_LABELS[method]
+    v = values.get((model, workload, method, b.M))
+    if v is None:
+        log.debug("%s: no ExpertRecall for %s / %s / %s at M=%d: printed as a dash", table, model, workload,
+                  method, b.M)
+    return Cell(id=f"{mdisp}/{wdisp}/{label}/R@{b.M}", quantity="recall", value=v,
+                keys={"model": mdisp, "workload": wdisp, "method": label, "budget": b.role, "M": b.M},
+                text=fmt_fixed(v, RECALL_DECIMALS))
+
+
+def _workload_groups(cfg: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
+    groups = []
+    for cat, label in CATEGORIES:
+        ws = [w for w, wc in cfg["workloads"].items() if wc["category"] == cat]
+        if ws:
+            groups.append((label, ws))
+    return groups
+
+
+@dataclass
+class Built:
+    """A table ready to write: the template to use, its context, and the cells."""
+
+    template: str
+    context: dict[str, Any]
+    doc: TableDoc
+
+
+# --------------------------------------------------------------------------------------------- Table 1
+
+
+def build_table1(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
+    """Next-layer expert coverage: methods x workloads (grouped LLM / VLM) x (model, budget) columns."""
+    path = inputs["recall"]
+    methods = _config_methods(cfg, TABLE1_METHODS, "table1_recall")
+    df = recall_frame(read_result_csv(path, "recall"), path, cfg, methods)
+    values = _lookup(df)
+    models = list(cfg["models"])
+    budgets = {m: model_budgets(cfg, m) for m in models}
+    cells: list[Cell] = []
+    groups = []
+    for cat_label, workloads in _workload_groups(cfg):
+        bench_rows = []
+        for w in workloads:
+            grid = [[_recall_cell("table1_recall", cfg, values, m, w, meth, b) for m in models for b in budgets[m]]
+                    for meth in methods]
+            cells += [c for row in grid for c in row]
+            texts = [[tex_cell(c.text) for c in row] for row in grid]
+            for j in range(len(grid[0])):  # bold the best method per (benchmark, model, budget)
+                for i, on in enumerate(best_mask([row[j].value for row in grid], RECALL_DECIMALS)):
+                    texts[i][j] = bold(texts[i][j], on)
+            rows = [{"method": latex_escape(METHOD_LABELS[meth]), "cells": row}
+                    for meth, row in zip(methods, texts, strict=True)]
+            bench_rows.append({"label": latex_escape(cfg["workloads"][w]["display_name"]), "rows": rows})
+        groups.append({"label": cat_label.replace(" ", r"\\"), "n_rows": len(workloads) * len(methods),
+                       "benchmarks": bench_rows})
+    col = 4
+    model_ctx = []
+    for m in models:
+        n = len(budgets[m])
+        model_ctx.append({"label": latex_escape(model_display(cfg, m)), "budgets": [b.header for b in budgets[m]],
+                          "first": col, "last": col + n - 1})
+        col += n
+    caption = ("Next-layer expert coverage (ExpertRecall@$M$, \\%) of SpecPrefetch and baseline predictors across "
+               "LLM and VLM workloads. The evaluated candidate counts represent limited, native, and expanded "
+               "prediction settings for each model. " + latex_escape(profile_sentence(cfg)))
+    context = {"caption": caption, "label": "tab:recall", "models": model_ctx, "n_cols": col - 1,
+               "groups": groups, "note": budget_note(cfg, models)}
+    _warn_dashes("table1_recall", cells)
+    doc = TableDoc("table1_recall", "Table 1: next-layer expert coverage", cfg["profile"], cells,
+                   meta={"models": {model_display(cfg, m): m for m in models},
+                         "budgets": {model_display(cfg, m): [b.role for b in budgets[m]] for m in models}})
+    return Built("table1_recall.tex.j2", context, doc)
+
+
+# --------------------------------------------------------------------------------------------- Table 2
+
+
+def build_table2(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
+    """Predictor design ablation: Single MLP vs SpecPrefetch per model (sub-tables (a), (b)), all workloads."""
+    path = inputs["recall"]
+    methods = _config_methods(cfg, TABLE2_METHODS, "table2_ablation")
+    if "single_mlp" not in methods:
+        raise RenderInputError("table2_ablation: config predictors.methods lacks 'single_mlp' (the ablation)")
+    df = recall_frame(read_result_csv(path, "recall"), path, cfg, methods)
+    values = _lookup(df)
+    cells: list[Cell] = []
+    panels = []
+    for idx, m in enumerate(cfg["models"]):
+        bs = model_budgets(cfg, m)
+        rows = []
+        for w in cfg["workloads"]:
+            grid = {meth: [_recall_cell("table2_ablation", cfg, values, m, w, meth, b) for b in bs]
+                    for meth in methods}
+            cells += [c for meth in methods for c in grid[meth]]
+            texts = {meth: [tex_cell(c.text) for c in grid[meth]] for meth in methods}
+            for j in range(len(bs)):  # bold the better design per (benchmark, budget)
+                mask = best_mask([grid[meth][j].value for meth in methods], RECALL_DECIMALS)
+                for meth, on in zip(methods, mask, strict=True):
+                    texts[meth][j] = bold(texts[meth][j], on)
+            rows.append({"label": latex_escape(cfg["workloads"][w]["display_name"]),
+                         "cells": [t for meth in methods for t in texts[meth]]})
+        panels.append({"tag": f"({chr(ord('a') + idx)})", "model": latex_escape(model_display(cfg, m)),
+                       "methods": [latex_escape(METHOD_LABELS[meth]) for meth in methods],
+                       "budgets": [b.header for b in bs], "n_budgets": len(bs), "rows": rows})
+    caption = ("Predictor design ablation (ExpertRecall@$M$, \\%) across all workloads and candidate budgets: "
+               "one shared Single MLP vs SpecPrefetch's layer-specific adapters. "
+               + latex_escape(profile_sentence(cfg)))
+    context = {"caption": caption, "label": "tab:ablation", "panels": panels,
+               "note": budget_note(cfg, list(cfg["models"]))}
+    _warn_dashes("table2_ablation", cells)
+    doc = TableDoc("table2_ablation", "Table 2: predictor design ablation", cfg["profile"], cells,
+                   meta={"models": {model_display(cfg, m): m for m in cfg["models"]}})
+    return Built("table2_ablation.tex.j2", context, doc)
+
+
+# --------------------------------------------------------------------------------------------- Table 3
+
+
+def build_table3(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
+    """Trainable parameters of the learned predictors, per model (exact counts in the JSON)."""
+    path = inputs["params"]
+    params = read_result_csv(path, "params")
+    methods = [m for m in TABLE3_METHODS if m in cfg["predictors"]["methods"]]
+    if "specprefetch" not in methods:
+        raise RenderInputError("table3_params: config predictors.methods lacks 'specprefetch'")
+    params = params[params["model"].isin(list(cfg["models"])) & params["method"].isin(methods)]
+    for col, names in (("model", list(cfg["models"])), ("method", methods)):
+        absent = [n for n in names if n not in set(params[col])]
+        if absent:
+            raise RenderInputError(f"{path}: no rows with {col}={absent[0]!r} (column {col!r}; the config lists it)")
+    dup = params.duplicated(["model", "method"], keep=False)
+    if dup.any():
+        r = params[dup].iloc[0]
+        raise RenderInputError(f"{path}: duplicate rows for model={r['model']!r}, method={r['method']!r}")
+    lookup = {(r.model, r.method): int(r.trainable_params) for r in params.itertuples()}
+    cells, rows = [], []
+    for m in cfg["models"]:
+        mdisp = model_display(cfg, m)
+        row = []
+        for meth in methods:
+            v = lookup.get((m, meth))
+            c = Cell(id=f"{mdisp}/{METHOD_LABELS[meth]}", quantity="params", value=None if v is None else float(v),
+                     keys={"model": mdisp, "method": METHOD_LABELS[meth]}, text=fmt_params(v))
+            cells.append(c)
+            row.append(tex_cell(c.text))
+        rows.append({"label": latex_escape(mdisp), "cells": row})
+    caption = "Trainable parameters of different expert predictors. " + latex_escape(profile_sentence(cfg))
+    context = {"caption": caption, "label": "tab:params", "rows": rows,
+               "methods": [latex_escape(METHOD_LABELS[m]) for m in methods]}
+    doc = TableDoc("table3_params", "Table 3: trainable parameters", cfg["profile"], cells)
+    return Built("table3_params.tex.j2", context, doc)
+
+
+# --------------------------------------------------------------------------------------------- Tables 4, 5
+
+
+def device_sentence(cfg: Mapping[str, Any], sel: DeviceSelection, n_repeats: int) -> str:
+    """Which platform/model/source produced a device table (plain text)."""
+    model = model_display(cfg, sel.model) if sel.model in cfg["models"] else sel.model
+    sources = ", ".join(sel.sources)
+    models = [sel.model] if sel.model in cfg["models"] else []
+    prof = profile_sentence(cfg, models) if models else f"Profile: {cfg['profile']}."
+    return (f"Platform {sel.platform} ({sources}), model {model}; mean ± std over {n_repeats} paired repeats, "
+            f"gains computed per repeat against OFF. {prof}")
+
+
+def storage_phrase(storage: str) -> str:
+    """How a caption names a storage profile ("cold-cache NVMe" as the paper says, else "Slow UFS storage")."""
+    return "cold-cache NVMe" if storage == "nvme_cold" else latex_escape(f"{storage_label(storage)} storage")
+
+
+def _warn_dashes(table: str, cells: list[Cell]) -> None:
+    """One warning per table listing what is printed as a dash (a missing measurement must not go unnoticed)."""
+    missing = sorted({"/".join(c.id.split("/")[:3]) for c in cells if c.value is None})
+    if missing:
+        log.warning("%s: %d cells have no value and print as a dash: %s", table,
+                    sum(c.value is None for c in cells), "; ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
+
+
+def _policy_rows(g: pd.DataFrame, path: Path | str, policy: str, what: str, **match: Any) -> pd.DataFrame:
+    return require_rows(g, path, what, policy=policy, **match)
+
+
+def _unique_m_max(rows: pd.DataFrame, path: Path | str, what: str) -> int:
+    vals = sorted({int(v) for v in rows["m_max"].dropna()})
+    if len(vals) != 1:
+        raise RenderInputError(f"{path}: column 'm_max' has {vals or 'no values'} for {what}; expected one budget")
+    return vals[0]
+
+
+def build_table4(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
+    """OFF / PRED0 / SpecPrefetch throughput (mean ± std) and paired gain vs OFF, under cold storage."""
+    path = inputs["runs"]
+    runs = read_result_csv(path, "runs")
+    rset = render_settings(cfg)
+    sel = select_device(runs, path, cfg)
+    storage = rset["device"]["cold_storage"]
+    main = require_rows(experiment_rows(runs, path, sel, "main"), path, "Table 4", storage=storage)
+    g = paired_gains(main, path)
+    m_max = _unique_m_max(_policy_rows(g, path, "specprefetch", "Table 4 (SpecPrefetch)"), path,
+                          "experiment 'main', policy 'specprefetch'")
+    off = _policy_rows(g, path, "off", "Table 4 (OFF)")
+    dec = throughput_decimals(float(off["tokens_per_s"].mean()))
+    cells, rows = [], []
+    for policy in ("off", "pred0", "specprefetch"):
+        pr = _policy_rows(g, path, policy, f"Table 4 ({POLICY_LABELS[policy]})")
+        label = POLICY_LABELS[policy]
+        tp = mean_std(pr["tokens_per_s"])
+        gain = mean_std(pr["gain_pct"]) if policy != "off" else None
+        c_tp = Cell(id=f"{label}/throughput", quantity="throughput", value=tp[0], std=tp[1], n=tp[2],
+                    keys={"policy": label, "column": "throughput"}, text=pm(tp[0], tp[1], dec, math_mode=False))
+        c_gain = Cell(id=f"{label}/gain", quantity="gain", value=None if gain is None else gain[0],
+                      std=None if gain is None else gain[1], n=None if gain is None else gain[2],
+                      keys={"policy": label, "column": "gain"},
+                      text="–" if gain is None else pm(gain[0], gain[1], 2, sign=True, math_mode=False))
+        cells += [c_tp, c_gain]
+        name = POLICY_LATEX[policy] + (rf" ($M_{{\max}}={m_max}$)" if policy == "specprefetch" else "")
+        rows.append({"label": name, "cells": [pm(tp[0], tp[1], dec),
+                                              "--" if gain is None else pm(gain[0], gain[1], 2, sign=True)]})
+    n_rep = int(off["repeat"].nunique())
+    caption = (f"Runtime overhead of prediction and prefetch control under {storage_phrase(storage)}. "
+               r"PRED$_0$ executes the complete prediction and control path but issues no expert transfers. "
+               + latex_escape(device_sentence(cfg, sel, n_rep)))
+    context = {"caption": caption, "label": "tab:overhead", "rows": rows}
+    doc = TableDoc("table4_overhead", "Table 4: runtime overhead of prediction and prefetch control",
+                   cfg["profile"], cells, meta={"platform": sel.platform, "model": sel.model, "storage": storage,
+                                                "m_max": m_max, "sources": list(sel.sources), "repeats": n_rep})
+    return Built("table4_overhead.tex.j2", context, doc)
+
+
+def build_table5(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
+    """Naive Prefetch (and FATE if run) vs SpecPrefetch at one matched M_max: gain under cold and slow storage,
+    ReadyRecall (under the cold storage)."""
+    path = inputs["runs"]
+    runs = read_result_csv(path, "runs")
+    rset = render_settings(cfg)
+    sel = select_device(runs, path, cfg)
+    cold, slow = rset["device"]["cold_storage"], rset["device"]["slow_storage"]
+    matched = experiment_rows(runs, path, sel, "matched")
+    g = paired_gains(matched, path)
+    policies = [p for p in TABLE5_POLICIES if p in set(g["policy"])]
+    for need in ("naive", "specprefetch"):
+        _policy_rows(g, path, need, "Table 5")
+    budgets = {p: _unique_m_max(_policy_rows(g, path, p, "Table 5"), path, f"experiment 'matched', policy {p!r}")
+               for p in policies}
+    if len(set(budgets.values())) != 1:
+        raise RenderInputError(f"{path}: experiment 'matched' uses different m_max per policy {budgets}; "
+                               "Table 5 compares at one matched budget")
+    m_max = next(iter(budgets.values()))
+    columns = (("gain_cold", cold, "gain", 2), ("gain_slow", slow, "gain", 2), ("ready_recall", cold,
+                                                                                 "ready_recall", 1))
+    stats: dict[str, list[tuple[float, float, int] | None]] = {}
+    for p in policies:
+        out: list[tuple[float, float, int] | None] = []
+        for col, storage, _, _ in columns:
+            pr = _policy_rows(g, path, p, f"Table 5 column {col}", storage=storage)
+            if col == "ready_recall":
+                rr = pr["ready_recall"].dropna()
+                out.append(mean_std(rr * 100.0) if not rr.empty else None)
+            else:
+                out.append(mean_std(pr["gain_pct"]))
+        stats[p] = out
+    cells = []
+    texts = {p: [] for p in policies}
+    for j, (col, storage, quantity, dec) in enumerate(columns):
+        mask = best_mask([stats[p][j][0] if stats[p][j] else None for p in policies], dec)
+        for p, on in zip(policies, mask, strict=True):
+            s = stats[p][j]
+            sign = quantity == "gain"
+            cells.append(Cell(id=f"{POLICY_LABELS[p]}/{col}", quantity=quantity, value=s[0] if s else None,
+                              std=s[1] if s else None, n=s[2] if s else None,
+                              keys={"policy": POLICY_LABELS[p], "column": col, "storage": storage},
+                              text=pm(s[0], s[1], dec, sign=sign, math_mode=False) if s else "–"))
+            texts[p].append(bold(pm(s[0], s[1], dec, sign=sign) if s else "--", on))
+    rows = [{"label": POLICY_LATEX[p], "cells": texts[p]} for p in policies]
+    n_rep = int(g["repeat"].nunique())
+    headers = [("Cold NVMe" if cold == "nvme_cold" else storage_label(cold), "Gain (\\%)"),
+               (f"{storage_label(slow)}", "Gain (\\%)"), ("ReadyRecall", "(\\%)")]
+    caption = (f"Matched-budget comparison of expert prediction strategies with $M_{{\\max}}={m_max}$: throughput "
+               f"gain vs OFF under {storage_phrase(cold)} and {storage_phrase(slow)}, ReadyRecall under "
+               f"{storage_phrase(cold)}. Bold: best per column. "
+               + latex_escape(device_sentence(cfg, sel, n_rep)))
+    context = {"caption": caption, "label": "tab:matched", "rows": rows, "headers": headers}
+    doc = TableDoc("table5_matched", "Table 5: matched-budget comparison", cfg["profile"], cells,
+                   meta={"platform": sel.platform, "model": sel.model, "cold_storage": cold, "slow_storage": slow,
+                         "m_max": m_max, "sources": list(sel.sources), "repeats": n_rep})
+    return Built("table5_matched.tex.j2", context, doc)
+
+
+# --------------------------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A table: the result CSVs it reads (contract names) and how it is built."""
+
+    name: str
+    inputs: tuple[str, ...]
+    build: Callable[[Mapping[str, Path], Mapping[str, Any]], Built]
+
+
+TABLES: dict[str, TableSpec] = {
+    "table1_recall": TableSpec("table1_recall", ("recall",), build_table1),
+    "table2_ablation": TableSpec("table2_ablation", ("recall",), build_table2),
+    "table3_params": TableSpec("table3_params", ("params",), build_table3),
+    "table4_overhead": TableSpec("table4_overhead", ("runs",), build_table4),
+    "table5_matched": TableSpec("table5_matched", ("runs",), build_table5),
+}
+
+
+def render_table(name: str, cfg: Mapping[str, Any], inputs: Mapping[str, Path | str], out_tex: Path | str,
+                 out_json: Path | str | None = None, templates: Path | None = None) -> TableDoc:
+    """Build table ``name`` from its result CSVs (``inputs``: contract name -> path), write .tex and .json atomically.
+
+    The JSON defaults to the .tex path with suffix .json. Raises RenderInputError for a missing input.
+    """
+    if name not in TABLES:
+        raise RenderInputError(f"unknown table {name!r}; choose from {', '.join(TABLES)}")
+    spec = TABLES[name]
+    missing = [k for k in spec.inputs if k not in inputs]
+    if missing:
+        raise RenderInputError(f"{name}: needs input(s) {', '.join(missing)} (e.g. --{missing[0].replace('_', '-')}"
+                               " PATH)")
+    built = spec.build({k: Path(inputs[k]) for k in spec.inputs}, cfg)
+    built.doc.meta.setdefault("inputs", {k: str(inputs[k]) for k in spec.inputs})
+    tex = render_template(built.template, built.context, templates)
+    out_tex = Path(out_tex)
+    write_text_atomic(out_tex, tex)
+    built.doc.write(Path(out_json) if out_json else out_tex.with_suffix(".json"))
+    log.info("wrote %s (%d cells)", out_tex, len(built.doc.cells))
+    return built.doc

@@ -1,0 +1,98 @@
+"""File layout of the rendering stage, for workflow/rules/render.smk and the CLI (no heavy imports here).
+
+The rules take their inputs from ``TABLE_INPUTS``/``FIGURE_INPUTS`` so a table that needs the runtime's
+``runs.csv`` declares it as an input: when the runtime stage has not produced it, Snakemake schedules (or reports
+as missing) the file, instead of a renderer quietly writing an empty table.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+RESULT_PATHS: dict[str, str] = {
+    "recall": "results/recall/recall.csv",
+    "per_layer": "results/recall/per_layer.csv",
+    "params": "results/predictors/params.csv",
+    "runs": "results/device/runs.csv",
+    "window": "results/device/window.csv",
+    "window_events": "results/device/window_events.csv",
+    "latency": "results/device/latency.csv",
+}
+TABLE_INPUTS: dict[str, tuple[str, ...]] = {
+    "table1_recall": ("recall",),
+    "table2_ablation": ("recall",),
+    "table3_params": ("params",),
+    "table4_overhead": ("runs",),
+    "table5_matched": ("runs",),
+}
+FIGURE_INPUTS: dict[str, tuple[str, ...]] = {
+    "fig1a_latency": ("latency",),
+    "fig1b_window": ("window", "window_events"),
+    "fig4_budget": ("runs",),
+    "fig5_storage": ("runs",),
+    "fig6_component": ("runs",),
+    "fig_recall_per_layer": ("per_layer",),
+}
+TABLE_NAMES = list(TABLE_INPUTS)
+FIGURE_NAMES = list(FIGURE_INPUTS)
+REPORTED = "config/reference/paper_reported.yaml"
+
+
+def out_dir(cfg: Mapping[str, Any]) -> str:
+    """Where the rendered tables go: ``render.out_dir`` (default ``paper_tables``, the committed directory)."""
+    return str(((cfg.get("render") or {}).get("out_dir")) or "paper_tables").rstrip("/")
+
+
+def table_inputs(table: str) -> dict[str, str]:
+    return {k: RESULT_PATHS[k] for k in TABLE_INPUTS[table]}
+
+
+def figure_inputs(figure: str) -> dict[str, str]:
+    return {k: RESULT_PATHS[k] for k in FIGURE_INPUTS[figure]}
+
+
+def input_flags(inputs: Mapping[str, Any]) -> str:
+    """``--recall results/recall/recall.csv ...`` for a rule's named inputs (the CLI's flag names)."""
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in inputs.items())
+
+
+def table_files(cfg: Mapping[str, Any]) -> list[str]:
+    d = out_dir(cfg)
+    return [f"{d}/{t}.{ext}" for t in TABLE_NAMES for ext in ("tex", "json")]
+
+
+def figure_files(cfg: Mapping[str, Any]) -> list[str]:
+    d = out_dir(cfg)
+    return [f"{d}/figures/{f}.{ext}" for f in FIGURE_NAMES for ext in ("pdf", "png", "json")]
+
+
+def comparison_files(cfg: Mapping[str, Any]) -> list[str]:
+    d = out_dir(cfg)
+    return ([f"{d}/{t}_vs_paper.tex" for t in TABLE_NAMES]
+            + [f"{d}/figures_vs_paper.tex", f"{d}/comparison.md", f"{d}/comparison.json"])
+
+
+def pdflatex_available() -> bool:
+    return shutil.which("pdflatex") is not None
+
+
+def preview_files(cfg: Mapping[str, Any], with_pdf: bool | None = None) -> list[str]:
+    """The preview source always; the PDF only where pdflatex is installed (``with_pdf`` overrides the check)."""
+    d = out_dir(cfg)
+    pdf = pdflatex_available() if with_pdf is None else with_pdf
+    return [f"{d}/paper_tables.tex"] + ([f"{d}/paper_tables.pdf"] if pdf else [])
+
+
+def all_outputs(cfg: Mapping[str, Any], with_pdf: bool | None = None) -> list[str]:
+    """Everything ``rule paper_tables`` should depend on from the rendering stage."""
+    return table_files(cfg) + figure_files(cfg) + comparison_files(cfg) + preview_files(cfg, with_pdf)
+
+
+def skipped_pdf_message(cfg: Mapping[str, Any]) -> str | None:
+    """The line the Snakefile prints when the PDF is left out of the DAG (None when pdflatex is there)."""
+    if pdflatex_available():
+        return None
+    return (f"pdflatex not found: skipping {out_dir(cfg)}/paper_tables.pdf (the .tex tables and figures are still "
+            "made; install texlive-latex-base texlive-latex-recommended texlive-latex-extra to get the PDF)")
