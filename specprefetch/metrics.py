@@ -1,0 +1,266 @@
+"""ExpertRecall (paper §4.1, Tables 1–3): how much of the native next-layer demand the candidates cover.
+
+ExpertRecall@M = 1/|Ω| Σ_t |T_t^{l+1} ∩ C_M^{l+1}| / K, averaged over the target layers l+1 = 1..L−1.
+Candidate sets are
+
+- token-level (default; the decoding setting, one token per step): C_M = TopM(π̂_t) per token, so
+  R@K/2 ≤ 50%;
+- batch-level (§3.2): C_M = TopM(s) with s_e = Σ_{t∈batch} π̂_{t,e}, the batch being one sample's tokens.
+
+Top-M uses a stable descending sort (ties go to the lower expert id) so results are deterministic and
+C_M is a prefix of C_{M'} for M < M'. Candidate slots a method cannot fill are -1 and never match.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import pandas as pd
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from specprefetch.io import SpecPrefetchError, atomic_path, provenance, sha256_file, write_json_atomic
+from specprefetch.predictors.base import Predictor, load_predictor, read_meta, run_ids
+
+log = logging.getLogger(__name__)
+RECALL_COLUMNS = ["model", "workload", "method", "M", "expert_recall", "n_tokens"]
+PER_LAYER_COLUMNS = ["model", "workload", "method", "M", "layer", "expert_recall"]
+PARAM_COLUMNS = ["model", "method", "trainable_params"]
+CandidateMode = Literal["token", "batch"]
+
+
+# --------------------------------------------------------------------------------------------- the metric
+
+
+def recall_per_token(topk: Tensor, candidates: Tensor) -> Tensor:
+    """[T] fraction |T_t ∩ C_t| / K; ``candidates`` is [T, M] (per token) or [M] (one set for all tokens)."""
+    if topk.dim() != 2:
+        raise SpecPrefetchError(f"expert_recall: topk must be [T, K], got shape {tuple(topk.shape)}")
+    topk = topk.long()
+    cand = candidates.long().to(topk.device)
+    if cand.dim() == 1:
+        cand = cand.unsqueeze(0).expand(topk.shape[0], -1)
+    if cand.dim() != 2 or cand.shape[0] != topk.shape[0]:
+        raise SpecPrefetchError(f"expert_recall: candidates shape {tuple(candidates.shape)} does not match "
+                                f"topk {tuple(topk.shape)} (need [T, M] or [M])")
+    k = topk.shape[1]
+    if k == 0:
+        raise SpecPrefetchError("expert_recall: K = 0")
+    hit = (topk.unsqueeze(-1) == cand.unsqueeze(1)) & (cand.unsqueeze(1) >= 0)
+    return hit.any(dim=-1).sum(dim=-1).double() / k
+
+
+def expert_recall(topk: Tensor, candidates: Tensor) -> float:
+    """Mean over tokens of |T ∩ C_M| / K (a value in [0, 1])."""
+    if topk.shape[0] == 0:
+        raise SpecPrefetchError("expert_recall: no tokens")
+    return float(recall_per_token(topk, candidates).mean())
+
+
+def select_candidates(scores: Tensor, m: int, empty_when_zero: bool = False) -> Tensor:
+    """TopM expert ids of ``scores`` [..., n] (stable: ties to the lower id); -1 where ``empty_when_zero``
+    and the score is not positive (a method with fewer than M candidates)."""
+    n = scores.shape[-1]
+    if not 1 <= m <= n:
+        raise SpecPrefetchError(f"candidate budget M={m} must be in [1, n_experts={n}]")
+    scores = scores if scores.dtype == torch.float64 else scores.float()  # keep float64 tie-breaks
+    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    vals, idx = vals[..., :m], idx[..., :m]
+    if empty_when_zero:
+        idx = torch.where(vals > 0, idx, torch.full_like(idx, -1))
+    return idx
+
+
+def aggregate_by_sample(scores: Tensor, sample_index: Tensor) -> tuple[Tensor, Tensor]:
+    """Batch-level priorities s = Σ_t π̂_t per sample: ([G, n] sums, [T] group of each token)."""
+    groups = run_ids(sample_index).to(scores.device)
+    out = torch.zeros(int(groups.max()) + 1 if groups.numel() else 0, scores.shape[-1],
+                      dtype=torch.float64, device=scores.device)
+    out.index_add_(0, groups, scores.double())
+    return out, groups
+
+
+def candidate_sets(predictor: Predictor, batch: Mapping[str, Any], m_max: int,
+                   mode: CandidateMode = "token") -> list[Tensor]:
+    """Per target layer, [T, m_max] candidate ids (prefixes give smaller budgets) for every token."""
+    scores = predictor.priorities(batch, "token")
+    out = []
+    for s in scores:
+        if mode == "token":
+            out.append(select_candidates(s, m_max, predictor.empty_when_zero))
+        elif mode == "batch":
+            agg, groups = aggregate_by_sample(s, batch["sample_index"])
+            out.append(select_candidates(agg, m_max, predictor.empty_when_zero)[groups])
+        else:
+            raise SpecPrefetchError(f"invalid recall.candidates {mode!r}: use 'token' or 'batch'")
+    return out
+
+
+# --------------------------------------------------------------------------------------------- evaluation
+
+
+def _check_predictor(meta: Mapping[str, Any], pred_dir: Path, model_name: str, reader: Any) -> None:
+    """A predictor must belong to the model and fit the trace's shapes; say which file is wrong."""
+    where = Path(pred_dir) / "meta.json"
+    if meta.get("model") not in (None, model_name):
+        raise SpecPrefetchError(f"{where}: predictor of model {meta.get('model')!r}, evaluating {model_name!r}")
+    dims = meta["dims"]
+    expect = {"n_layers": reader.n_layers, "hidden_size": reader.hidden_size, "n_experts": reader.n_experts,
+              "top_k": reader.top_k}
+    for k, v in expect.items():
+        if int(dims.get(k, -1)) != int(v):
+            raise SpecPrefetchError(f"{where}: dims.{k}={dims.get(k)} but trace {reader.dir} has {v}")
+
+
+def evaluate_recall(
+    cfg: Mapping[str, Any],
+    model_name: str,
+    workload: str,
+    trace_dir: Path,
+    predictor_dirs: Mapping[str, Path],
+    out_csv: Path,
+    candidates: CandidateMode | None = None,
+    batch_tokens: int = 8192,
+) -> pd.DataFrame:
+    """ExpertRecall@M of every predictor on one workload trace, for every budget of ``budgets_for``.
+
+    Writes ``out_csv`` (model, workload, method, M, expert_recall, n_tokens) and ``<stem>_per_layer.csv``
+    (model, workload, method, M, layer, expert_recall; ``layer`` = target MoE ordinal l+1), both atomically,
+    plus ``<stem>.provenance.json``. Returns the overall table.
+    """
+    from specprefetch.config import budgets_for
+    from specprefetch.predictors.data import batch_to, iter_trace_batches
+    from specprefetch.traces.store import TraceReader
+
+    if not predictor_dirs:
+        raise SpecPrefetchError("evaluate_recall: no predictors given")
+    reader = TraceReader(trace_dir, verify=True)
+    man = reader.manifest
+    if man.get("model") not in (None, model_name):
+        raise SpecPrefetchError(f"{Path(trace_dir) / 'manifest.json'}: trace of model {man.get('model')!r}, "
+                                f"evaluating {model_name!r}")
+    if man.get("workload") not in (None, workload):
+        raise SpecPrefetchError(f"{Path(trace_dir) / 'manifest.json'}: trace of workload {man.get('workload')!r}, "
+                                f"expected {workload!r}")
+    mode: CandidateMode = candidates or cfg["recall"].get("candidates", "token")
+    budgets = budgets_for(cfg, model_name)
+    m_max = max(budgets)
+    if m_max > reader.n_experts:
+        raise SpecPrefetchError(f"recall budget M={m_max} > n_experts={reader.n_experts} of trace {trace_dir}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    preds: dict[str, Predictor] = {}
+    metas: dict[str, Any] = {}
+    for method, pdir in predictor_dirs.items():
+        meta = read_meta(pdir)
+        if meta["method"] != method:
+            raise SpecPrefetchError(f"{Path(pdir) / 'meta.json'}: holds a {meta['method']!r} predictor, "
+                                    f"given as {method!r}")
+        _check_predictor(meta, Path(pdir), model_name, reader)
+        preds[method] = load_predictor(pdir, map_location=device)
+        metas[method] = {"dir": str(pdir), "sha256": meta["weights"]["sha256"], "config_hash": meta.get("config_hash")}
+
+    n_pairs = reader.n_layers - 1
+    hits = {m: torch.zeros(len(budgets), n_pairs, dtype=torch.float64) for m in preds}
+    n_tokens = 0
+    with torch.no_grad():
+        for batch in tqdm(iter_trace_batches(reader, batch_tokens), desc=f"recall {model_name}/{workload}",
+                          disable=None):
+            batch = batch_to(batch, device)
+            n_tokens += int(batch["token_ids"].shape[0])
+            for method, pred in preds.items():
+                cands = candidate_sets(pred, batch, m_max, mode)
+                for l, c in enumerate(cands):
+                    true = batch["topk"][l + 1]
+                    for j, m in enumerate(budgets):
+                        hits[method][j, l] += float(recall_per_token(true, c[:, :m]).sum())
+    if n_tokens == 0:
+        raise SpecPrefetchError(f"trace {trace_dir} has no tokens")
+
+    rows, layer_rows = [], []
+    for method in preds:
+        for j, m in enumerate(budgets):
+            per_layer = hits[method][j] / n_tokens
+            rows.append({"model": model_name, "workload": workload, "method": method, "M": m,
+                         "expert_recall": float(per_layer.mean()), "n_tokens": n_tokens})
+            layer_rows += [{"model": model_name, "workload": workload, "method": method, "M": m, "layer": l + 1,
+                            "expert_recall": float(v)} for l, v in enumerate(per_layer.tolist())]
+    df = pd.DataFrame(rows, columns=RECALL_COLUMNS)
+    per_layer_df = pd.DataFrame(layer_rows, columns=PER_LAYER_COLUMNS)
+    out_csv = Path(out_csv)
+    _write_csv(df, out_csv)
+    _write_csv(per_layer_df, per_layer_path(out_csv))
+    write_json_atomic(out_csv.with_name(out_csv.stem + ".provenance.json"), {
+        "model": model_name, "workload": workload, "candidates": mode, "budgets": budgets, "n_tokens": n_tokens,
+        "trace": {"dir": str(trace_dir), "manifest_sha256": sha256_file(Path(trace_dir) / "manifest.json")},
+        "predictors": metas,
+        "provenance": provenance({"recall": dict(cfg["recall"]), "model": dict(cfg["models"][model_name])}),
+    })
+    log.info("recall %s/%s: %d tokens, %s", model_name, workload, n_tokens,
+             ", ".join(f"{r['method']}@{r['M']}={r['expert_recall']:.3f}" for r in rows))
+    return df
+
+
+def per_layer_path(out_csv: Path) -> Path:
+    return Path(out_csv).with_name(Path(out_csv).stem + "_per_layer.csv")
+
+
+def _write_csv(df: pd.DataFrame, target: Path) -> None:
+    with atomic_path(target) as tmp:
+        df.to_csv(tmp, index=False, float_format="%.6f")
+
+
+def _read_csv(path: Path, columns: Sequence[str]) -> pd.DataFrame:
+    try:
+        df = pd.read_csv(path)
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        raise SpecPrefetchError(f"{path}: unreadable CSV ({exc})") from None
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise SpecPrefetchError(f"{path}: missing columns {', '.join(missing)}")
+    return df[list(columns)]
+
+
+def gather_recall(csvs: Iterable[Path], out: Path) -> pd.DataFrame:
+    """Concatenate per-(model, workload) recall CSVs into one table (and their per-layer files when all
+    inputs have one). A (model, workload, method, M) key present twice is an error."""
+    csvs = [Path(c) for c in csvs]
+    if not csvs:
+        raise SpecPrefetchError("gather_recall: no input CSVs")
+    df = pd.concat([_read_csv(c, RECALL_COLUMNS) for c in csvs], ignore_index=True)
+    key = ["model", "workload", "method", "M"]
+    dup = df[df.duplicated(key, keep=False)]
+    if not dup.empty:
+        first = dup.iloc[0]
+        raise SpecPrefetchError(f"gather_recall: duplicate rows for {dict(first[key])} in the inputs")
+    df = df.sort_values(key, kind="stable").reset_index(drop=True)
+    _write_csv(df, Path(out))
+    layer_files = [per_layer_path(c) for c in csvs]
+    if all(p.is_file() for p in layer_files):
+        layers = pd.concat([_read_csv(p, PER_LAYER_COLUMNS) for p in layer_files], ignore_index=True)
+        layers = layers.sort_values([*key, "layer"], kind="stable").reset_index(drop=True)
+        _write_csv(layers, per_layer_path(Path(out)))
+    return df
+
+
+def gather_params(predictor_dirs: Iterable[Path], out: Path) -> pd.DataFrame:
+    """Table 3's data: ``model, method, trainable_params`` read from each saved predictor's meta.json."""
+    rows = []
+    for d in predictor_dirs:
+        meta = read_meta(d)
+        if "trainable_params" not in meta:
+            raise SpecPrefetchError(f"{Path(d) / 'meta.json'}: missing key 'trainable_params'")
+        rows.append({"model": meta.get("model"), "method": meta["method"],
+                     "trainable_params": int(meta["trainable_params"])})
+    if not rows:
+        raise SpecPrefetchError("gather_params: no predictor directories")
+    df = pd.DataFrame(rows, columns=PARAM_COLUMNS)
+    dup = df[df.duplicated(["model", "method"], keep=False)]
+    if not dup.empty:
+        raise SpecPrefetchError(f"gather_params: {dict(dup.iloc[0][['model', 'method']])} given twice")
+    df = df.sort_values(["model", "method"], kind="stable").reset_index(drop=True)
+    _write_csv(df, Path(out))
+    return df

@@ -1,0 +1,329 @@
+"""Pretrain a stand-in from scratch on the corpus, so that it routes meaningfully before traces are taken.
+
+Loss = next-token LM loss on every text token (image placeholders and padding excluded) + ``aux_loss_coef`` x
+the Switch-style load-balancing loss (transformers' ``load_balancing_loss_func`` on the router logits of every
+MoE layer). AdamW, linear warmup then cosine decay, gradient clipping, a fixed seed and deterministic
+algorithms: the same seed gives byte-identical weights.
+
+``train_log.json`` (saved in the model directory) reports what makes a stand-in usable for the paper's
+measurements: LM loss against the corpus unigram baseline, per-layer routing entropy and expert load
+(collapse shows as a large max load share), and FATE's cross-layer recall@K on held-out tokens against the
+chance level K/n.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from specprefetch.io import SpecPrefetchError, atomic_path, provenance, seed_everything, sha256_file, write_json_atomic
+from specprefetch.models.capture import RouterCapture
+from specprefetch.models.loading import ModelBundle, collate_encoded, encode_sample, stand_in_sequence
+from specprefetch.models.routing import RoutingSpec, discover_routing
+from specprefetch.models.standins import StandIn, build_stand_in, save_stand_in, special_token_ids
+
+log = logging.getLogger(__name__)
+
+TRAIN_LOG = "train_log.json"
+LOG_FORMAT = "specprefetch-pretrain-log/1"
+HELDOUT_FRACTION = 0.05
+MAX_HELDOUT = 64
+ADAMW_BETAS = (0.9, 0.95)
+WEIGHT_DECAY = 0.01
+CLIP_NORM = 1.0
+MIN_LR_RATIO = 0.1
+
+
+def read_corpus(corpus_dir: Path) -> list[Any]:
+    """The corpus samples (workload format), validated by the data package's reader."""
+    from specprefetch.data.workloads import read_workload
+
+    samples = read_workload(Path(corpus_dir))
+    if len(samples) < 2:
+        raise SpecPrefetchError(f"{corpus_dir}: corpus has {len(samples)} sample(s); need at least 2 "
+                                "(train and held-out)")
+    return samples
+
+
+def split_heldout(n: int, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded split of sample indices into (train, held-out): 5% held out, at least 1, at most 64."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_held = min(MAX_HELDOUT, max(1, round(n * HELDOUT_FRACTION)))
+    return sorted(order[n_held:]), sorted(order[:n_held])
+
+
+def lr_lambda(warmup: int, total: int) -> Any:
+    """Linear warmup to the peak, then cosine decay to ``MIN_LR_RATIO`` x the peak at the last step."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def _target_labels(kwargs: dict[str, Tensor], masks: dict[str, Tensor]) -> Tensor:
+    labels = kwargs["input_ids"].clone()
+    labels[masks["is_image"] | ~masks["valid"]] = -100
+    return labels
+
+
+def lm_loss(logits: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
+    """Next-token cross entropy (logits at t predict labels at t+1; -100 ignored)."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
+                           ignore_index=-100, reduction=reduction)
+
+
+def aux_loss(router_logits: Sequence[Tensor] | None, spec: RoutingSpec, attention_mask: Tensor) -> Tensor:
+    """Switch-style load balancing over every MoE layer (transformers' implementation, padding masked)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    if not router_logits or len(router_logits) != spec.n_layers:
+        raise SpecPrefetchError(f"expected router logits of {spec.n_layers} MoE layers from the forward, got "
+                                f"{0 if not router_logits else len(router_logits)}")
+    return load_balancing_loss_func(tuple(router_logits), spec.n_experts, spec.top_k, attention_mask)
+
+
+def unigram_stats(tokenizer: Any, meta: dict[str, Any], train: Sequence[Any], heldout: Sequence[Any],
+                  vocab: int) -> dict[str, float]:
+    """Unigram entropy of the training targets (nats/token) and the held-out cross entropy of that unigram
+    model (add-one smoothed): the loss a model that ignores context would get."""
+    image_id = meta["special_token_ids"][meta["image_token"]]
+
+    def counts(samples: Sequence[Any]) -> Tensor:
+        c = torch.zeros(vocab, dtype=torch.float64)
+        for s in samples:
+            seq, _ = stand_in_sequence(tokenizer, meta, s, 1 if getattr(s, "image", None) else 0)
+            ids = torch.tensor([t for t in seq[1:] if t != image_id])
+            c += torch.bincount(ids, minlength=vocab).double()
+        return c
+
+    tr, he = counts(train), counts(heldout)
+    p = tr / tr.sum()
+    nz = p > 0
+    entropy = float(-(p[nz] * p[nz].log()).sum())
+    smooth = (tr + 1) / (tr.sum() + vocab)
+    xent = float(-(he * smooth.log()).sum() / he.sum())
+    return {"unigram_entropy_nats": entropy, "unigram_heldout_xent_nats": xent,
+            "n_train_target_tokens": int(tr.sum()), "n_heldout_target_tokens": int(he.sum())}
+
+
+def _bundle(name: str, mcfg: dict[str, Any], stand_in: StandIn) -> ModelBundle:
+    spec = discover_routing(stand_in.model)
+    return ModelBundle(name=name, arch=spec.arch, kind="stand_in", model=stand_in.model, tokenizer=stand_in.tokenizer,
+                       image_processor=stand_in.image_processor, routing=spec, model_cfg=mcfg, meta=stand_in.meta)
+
+
+def approx_tokens(sample: Any) -> int:
+    """A cheap length estimate (about 4 characters per token, 64 tokens per image) for length grouping."""
+    text = len(getattr(sample, "prompt", "")) + len(getattr(sample, "reference", ""))
+    return text // 4 + (64 if getattr(sample, "image", None) else 0)
+
+
+def batch_plan(lengths: Sequence[int], steps: int, batch_size: int, seed: int, pool_batches: int = 16) -> list[list[int]]:
+    """Sample indices of every step: seeded epoch-wise shuffles, cut into pools of ``pool_batches`` batches,
+    each pool sorted by length and split into batches (less padding), the pool's batches in seeded order."""
+    gen = torch.Generator().manual_seed(seed)
+    order: list[int] = []
+    plan: list[list[int]] = []
+    while len(plan) < steps:
+        pool: list[int] = []
+        while len(pool) < batch_size * pool_batches:
+            if not order:
+                order = torch.randperm(len(lengths), generator=gen).tolist()
+            pool.append(order.pop())
+        pool.sort(key=lambda i: (lengths[i], i))
+        batches = [pool[j:j + batch_size] for j in range(0, len(pool), batch_size)]
+        plan.extend(batches[p] for p in torch.randperm(len(batches), generator=gen).tolist())
+    return plan[:steps]
+
+
+def train_steps(bundle: ModelBundle, samples: Sequence[Any], root: Path, pcfg: dict[str, Any],
+                desc: str = "pretrain") -> list[dict[str, float]]:
+    """Run ``pcfg["steps"]`` optimizer steps over seeded epoch-wise shuffles of ``samples``; the loss curve."""
+    model, spec = bundle.model, bundle.routing
+    steps, bs, seq_len = int(pcfg["steps"]), int(pcfg["batch_size"]), int(pcfg["seq_len"])
+    coef = float(pcfg.get("aux_loss_coef", 0.0))
+    opt = torch.optim.AdamW(model.parameters(), lr=float(pcfg["lr"]), betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(int(pcfg.get("warmup_steps", 0)), steps))
+    plan = batch_plan([approx_tokens(s) for s in samples], steps, bs, int(pcfg["seed"]))
+    pad_id = bundle.meta["special_token_ids"]["<|pad|>"]
+    curve: list[dict[str, float]] = []
+    model.train()
+    bar = tqdm(range(steps), desc=desc, disable=None, unit="step")
+    log_every = max(1, steps // 20)
+    for step in bar:
+        batch = [encode_sample(bundle, samples[i], root, seq_len) for i in plan[step]]
+        kwargs, masks = collate_encoded(batch, pad_id)
+        out = model(**kwargs, output_router_logits=True, use_cache=False)
+        lm = lm_loss(out.logits, _target_labels(kwargs, masks))
+        aux = aux_loss(out.router_logits, spec, kwargs["attention_mask"])
+        loss = lm + coef * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM))
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        loss_v, lm_v, aux_v = float(loss.detach()), float(lm.detach()), float(aux.detach())
+        if not math.isfinite(loss_v):
+            raise SpecPrefetchError(f"{desc}: loss became {loss_v} at step {step}; lower models.*.pretrain.lr")
+        curve.append({"step": step, "loss": loss_v, "lm_loss": lm_v, "aux_loss": aux_v, "lr": lr,
+                      "grad_norm": grad_norm})
+        bar.set_postfix(lm=f"{lm_v:.3f}", aux=f"{aux_v:.3f}")
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            log.info("%s: step %d/%d lm %.3f aux %.3f lr %.2e", desc, step + 1, steps, lm_v, aux_v, lr)
+    model.eval()
+    return curve
+
+
+@torch.no_grad()
+def evaluate_routing(bundle: ModelBundle, samples: Sequence[Any], root: Path, max_length: int) -> dict[str, Any]:
+    """Held-out LM loss and routing quality: per-layer token entropy, load histogram, max load share, and
+    FATE recall@K (layer l+1's gate on layer l's router input, top-K, vs the executed experts)."""
+    model, spec = bundle.model, bundle.routing
+    n, k, n_l = spec.n_experts, spec.top_k, spec.n_layers
+    load = torch.zeros(n_l, n, dtype=torch.float64)
+    entropy = torch.zeros(n_l, dtype=torch.float64)
+    fate_hits = torch.zeros(max(0, n_l - 1), dtype=torch.float64)
+    nll, n_targets, n_tokens = 0.0, 0, 0
+    model.eval()
+    for s in tqdm(samples, desc="evaluate routing", disable=None, unit="sample"):
+        enc = encode_sample(bundle, s, root, max_length)
+        with RouterCapture(model, spec) as cap:
+            out = model(**enc.kwargs, use_cache=False)
+        masks = {"is_image": enc.is_image.unsqueeze(0), "valid": enc.valid.unsqueeze(0)}
+        labels = _target_labels(enc.kwargs, masks)
+        nll += float(lm_loss(out.logits, labels, reduction="sum"))
+        n_targets += int((labels[:, 1:] != -100).sum())
+        valid = enc.valid
+        xs = cap.inputs()
+        executed = [spec.executed_topk(i, x)[valid] for i, x in enumerate(xs)]
+        for i, x in enumerate(xs):
+            probs = spec.probs(i, spec.logits(i, x)[valid]).double()
+            entropy[i] += float(-(probs * probs.clamp_min(1e-30).log()).sum())
+            load[i] += torch.bincount(executed[i].reshape(-1), minlength=n).double()
+            if i + 1 < n_l:
+                cand = spec.topk(i + 1, spec.logits(i + 1, x[valid]))
+                fate_hits[i] += float((cand.unsqueeze(-1) == executed[i + 1].unsqueeze(1)).any(-1).sum())
+        n_tokens += int(valid.sum())
+    if n_tokens == 0:
+        raise SpecPrefetchError("held-out evaluation saw no tokens")
+    share = load / load.sum(dim=1, keepdim=True)
+    load_entropy = -(share * share.clamp_min(1e-30).log()).sum(dim=1)
+    layers = [{
+        "layer": spec.moe_layers[i], "ordinal": i,
+        "token_entropy_nats": float(entropy[i] / n_tokens),
+        "load_entropy_nats": float(load_entropy[i]),
+        "load_histogram": [int(v) for v in load[i].tolist()],
+        "max_load_share": float(share[i].max()),
+        "min_load_share": float(share[i].min()),
+    } for i in range(n_l)]
+    fate = (fate_hits / (n_tokens * k)).tolist()
+    return {
+        "heldout_lm_loss": nll / max(1, n_targets),
+        "n_heldout_tokens": n_tokens,
+        "uniform_load_share": 1.0 / n,
+        "max_entropy_nats": math.log(n),
+        "layers": layers,
+        "fate_recall_at_k_per_pair": fate,
+        "fate_recall_at_k": float(sum(fate) / len(fate)) if fate else float("nan"),
+        "chance_recall_at_k": k / n,
+    }
+
+
+def quality_checks(result: dict[str, Any]) -> dict[str, Any]:
+    """The stand-in routes meaningfully: LM loss below the unigram baseline, no layer collapsed, FATE far
+    above chance. Reported (not enforced: smoke runs train for seconds)."""
+    max_share = max(layer["max_load_share"] for layer in result["routing"]["layers"])
+    k_over_n = result["routing"]["chance_recall_at_k"]
+    return {
+        "lm_below_unigram": result["heldout_lm_loss"] < result["unigram"]["unigram_heldout_xent_nats"],
+        "max_load_share": max_share,
+        "no_collapse": max_share < 0.5,
+        "fate_over_chance": result["routing"]["fate_recall_at_k"] / k_over_n,
+        "fate_far_above_chance": result["routing"]["fate_recall_at_k"] > 2 * k_over_n,
+    }
+
+
+def pretrain_stand_in(cfg: dict[str, Any], model_name: str, corpus_dir: str | Path, tokenizer_dir: str | Path,
+                      out_dir: str | Path) -> dict[str, Any]:
+    """Build, train and save the stand-in ``model_name`` into ``out_dir`` (atomically); returns the train log."""
+    from transformers import AutoTokenizer
+
+    mcfg = cfg["models"].get(model_name)
+    if mcfg is None:
+        raise SpecPrefetchError(f"unknown model {model_name!r}; config models: {', '.join(cfg['models'])}")
+    if mcfg["source"] != "stand_in" or "pretrain" not in mcfg:
+        raise SpecPrefetchError(f"invalid config key 'models.{model_name}.source': pretrain-stand-in needs a "
+                                f"stand_in model with a pretrain section, got source {mcfg['source']!r}")
+    pcfg = mcfg["pretrain"]
+    corpus_dir, tokenizer_dir = Path(corpus_dir), Path(tokenizer_dir)
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        raise SpecPrefetchError(f"tokenizer not found: {tokenizer_dir / 'tokenizer.json'} (run train-tokenizer)")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    special_token_ids(tokenizer, where=str(tokenizer_dir))
+    samples = read_corpus(corpus_dir)
+    seed = int(pcfg["seed"])
+    train_idx, held_idx = split_heldout(len(samples), seed)
+    train, heldout = [samples[i] for i in train_idx], [samples[i] for i in held_idx]
+
+    seed_everything(seed)
+    stand_in = build_stand_in(cfg, model_name, tokenizer)
+    bundle = _bundle(model_name, mcfg, stand_in)
+    n_params = sum(p.numel() for p in stand_in.model.parameters())
+    log.info("pretraining %s (%s, %.1fM parameters) on %d samples (%d held out): %d steps x %d x %d tokens",
+             model_name, bundle.arch, n_params / 1e6, len(train), len(heldout), pcfg["steps"],
+             pcfg["batch_size"], pcfg["seq_len"])
+    t0 = time.perf_counter()
+    curve = train_steps(bundle, train, corpus_dir, pcfg, desc=f"pretrain {model_name}")
+    train_s = time.perf_counter() - t0
+    routing = evaluate_routing(bundle, heldout, corpus_dir, int(pcfg["seq_len"]))
+    uni = unigram_stats(tokenizer, stand_in.meta, train, heldout, len(tokenizer))
+    result: dict[str, Any] = {
+        "format": LOG_FORMAT, "model": model_name, "arch": bundle.arch, "n_parameters": n_params,
+        "n_train_samples": len(train), "n_heldout_samples": len(heldout),
+        "heldout_ids": [str(getattr(s, "id", "")) for s in heldout],
+        "train_wall_s": round(train_s, 2), "eval_wall_s": round(time.perf_counter() - t0 - train_s, 2),
+        "loss_curve": curve, "final_train_lm_loss": curve[-1]["lm_loss"],
+        "heldout_lm_loss": routing.pop("heldout_lm_loss"), "unigram": uni, "routing": routing,
+        "routing_spec": bundle.routing.describe(),
+    }
+    result["quality"] = quality_checks(result)
+    result["provenance"] = provenance(
+        {"model": mcfg, "image": cfg["image"]}, seed=seed,
+        corpus_samples_sha256=sha256_file(corpus_dir / "samples.jsonl"),
+        tokenizer_sha256=sha256_file(tokenizer_dir / "tokenizer.json"),
+        deterministic=torch.are_deterministic_algorithms_enabled(), torch_threads=torch.get_num_threads(),
+    )
+    stand_in.meta["train"] = {"steps": int(pcfg["steps"]), "seed": seed, "heldout_lm_loss": result["heldout_lm_loss"]}
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        save_stand_in(stand_in, tmp)
+        write_json_atomic(tmp / TRAIN_LOG, result)
+    q = result["quality"]
+    log.info("%s: %.0f s; held-out LM loss %.3f vs unigram %.3f; max load share %.3f; FATE recall@K %.3f "
+             "(chance %.3f)", model_name, train_s, result["heldout_lm_loss"], uni["unigram_heldout_xent_nats"],
+             q["max_load_share"], routing["fate_recall_at_k"], routing["chance_recall_at_k"])
+    return result
+
+
+def param_digest(model: nn.Module) -> str:
+    """sha256 over every parameter's bytes in name order: equal digests mean identical weights."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,315 @@
+"""One interface for every next-layer expert predictor (paper §3.2) and its baselines.
+
+A predictor sees a *batch* in the trace contract's layout (``x``/``logits``/``topk`` lists over MoE
+layer ordinals plus the per-token tensors ``token_ids``, ``sample_index``, ``position``, ...) and returns,
+for every adjacent MoE pair ``l -> l+1`` (``l = 0..L-2``), scores over the ``n`` experts of layer ``l+1``
+computed only from what is available at layer ``l`` (the oracle, an upper bound, is the one exception).
+
+- ``forward(batch)`` returns the pre-softmax logits the KL objective (§3.4) is applied to;
+- ``priorities(batch, "token")`` returns per-token expert priorities (π̂ for the learned methods), and
+  ``priorities(batch, "batch")`` sums them over the batch's tokens: s_e = Σ_t π̂_{t,e} (§3.2);
+- ``trainable_params()`` counts the parameters that require grad (Table 3), never a formula;
+- ``save(dir)`` / ``load_predictor(dir)`` persist ``predictor.safetensors`` + ``meta.json``.
+
+Methods register themselves with ``@register("name")``; ``build_predictor`` imports the method's module
+on demand so adding a method never touches this file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from specprefetch.io import SpecPrefetchError, atomic_path, sha256_file, write_json_atomic
+
+PREDICTOR_FORMAT = "specprefetch-predictor/1"
+WEIGHTS_FILE = "predictor.safetensors"
+META_FILE = "meta.json"
+METHODS = ("specprefetch", "fate", "single_mlp", "promoe", "draft_model", "previous_token", "frequency", "oracle")
+Aggregate = Literal["token", "batch"]
+Batch = Mapping[str, Any]
+
+
+class PredictorError(SpecPrefetchError):
+    """A predictor checkpoint or a batch does not fit the predictor; the message names the file/key."""
+
+
+@dataclass(frozen=True)
+class PredictorDims:
+    """Shapes a predictor is built for: L MoE layers, hidden size D, n routed experts, top-K.
+
+    ``vocab_size`` is only used by token-id based predictors (the draft model); ``scoring`` and ``arch``
+    tell FATE how the native router turns logits into routing scores.
+    """
+
+    n_layers: int
+    hidden_size: int
+    n_experts: int
+    top_k: int
+    vocab_size: int | None = None
+    scoring: str = "softmax"
+    arch: str = ""
+
+    def __post_init__(self) -> None:
+        if self.n_layers < 2:
+            raise PredictorError(f"next-layer prediction needs >= 2 MoE layers, got n_layers={self.n_layers}")
+        for name in ("hidden_size", "n_experts", "top_k"):
+            if getattr(self, name) < 1:
+                raise PredictorError(f"invalid predictor dims: {name}={getattr(self, name)}")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise PredictorError(f"invalid predictor dims: scoring={self.scoring!r} (softmax or sigmoid)")
+
+    @property
+    def n_pairs(self) -> int:
+        return self.n_layers - 1
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PredictorDims:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any], vocab_size: int | None = None) -> PredictorDims:
+        """Dims of a trace directory (its manifest is the single source of truth for the shapes)."""
+        try:
+            return cls(
+                n_layers=int(manifest["n_moe_layers"]),
+                hidden_size=int(manifest["hidden_size"]),
+                n_experts=int(manifest["n_experts"]),
+                top_k=int(manifest["top_k"]),
+                vocab_size=vocab_size,
+                scoring=str(manifest.get("scoring", "softmax")),
+                arch=str(manifest.get("arch", "")),
+            )
+        except KeyError as exc:
+            raise PredictorError(f"trace manifest lacks key {exc.args[0]!r}") from None
+
+
+_REGISTRY: dict[str, type[Predictor]] = {}
+
+
+def register(name: str) -> Callable[[type[Predictor]], type[Predictor]]:
+    """Class decorator: make ``name`` buildable through ``build_predictor``."""
+
+    def deco(cls: type[Predictor]) -> type[Predictor]:
+        cls.method = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def predictor_class(method: str) -> type[Predictor]:
+    if method not in METHODS:
+        raise PredictorError(f"unknown predictor method {method!r}; known: {', '.join(METHODS)}")
+    if method not in _REGISTRY:
+        importlib.import_module(f"specprefetch.predictors.{method}")
+    return _REGISTRY[method]
+
+
+def method_config(cfg: Mapping[str, Any] | None, method: str) -> dict[str, Any]:
+    """The method's section of a full config or of its ``predictors`` section (empty if absent)."""
+    if cfg is None:
+        return {}
+    section = cfg.get("predictors", cfg)
+    return dict(section.get(method) or {})
+
+
+def build_predictor(method: str, cfg: Mapping[str, Any] | None, dims: PredictorDims) -> Predictor:
+    """A freshly initialised predictor of ``method`` for ``dims`` (weights from the global torch seed)."""
+    cls = predictor_class(method)
+    return cls(dims, method_config(cfg, method))
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def multi_hot(idx: Tensor, n: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """[T, K] expert ids -> [T, n] indicator (ids outside [0, n), e.g. -1 padding, are ignored)."""
+    idx = idx.long()
+    valid = (idx >= 0) & (idx < n)
+    out = torch.zeros(idx.shape[0], n + 1, dtype=dtype, device=idx.device)
+    out.scatter_(1, torch.where(valid, idx, torch.full_like(idx, n)), 1.0)
+    return out[:, :n]
+
+
+def sample_runs(sample_index: Tensor) -> tuple[Tensor, Tensor]:
+    """(starts, lengths) of the runs of equal ``sample_index``: the samples of a contiguous batch."""
+    _, counts = torch.unique_consecutive(sample_index, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    return starts, counts
+
+
+def run_ids(sample_index: Tensor) -> Tensor:
+    """[T] ordinal of each token's run (0..G-1): the group id used for batch-level aggregation."""
+    _, inverse = torch.unique_consecutive(sample_index, return_inverse=True)
+    return inverse
+
+
+def check_sample_contiguous(batch: Batch, who: str) -> None:
+    """Methods that look at other tokens of a sample need each sample's tokens contiguous and in order.
+
+    A token-shuffled batch (``TraceReader.iter_batches(shuffle=True)``) would silently pair unrelated
+    tokens, so it is rejected here.
+    """
+    sidx = batch["sample_index"]
+    pos = batch["position"].long()
+    if sidx.numel() < 2:
+        return
+    same = sidx[1:] == sidx[:-1]
+    if bool((same & (pos[1:] <= pos[:-1])).any()):
+        raise PredictorError(f"{who} needs batches whose samples are contiguous and in sequence order "
+                             "(got positions that do not increase within a sample: a token-shuffled batch?)")
+    starts, _ = sample_runs(sidx)
+    if torch.unique(sidx).numel() != starts.numel():
+        raise PredictorError(f"{who} needs each sample's tokens contiguous in the batch (a sample appears twice)")
+
+
+def batch_device(batch: Batch) -> torch.device:
+    return batch["token_ids"].device
+
+
+# --------------------------------------------------------------------------------------------- the base class
+
+
+class Predictor(nn.Module):
+    """Base class: see the module docstring for the contract every method follows."""
+
+    method: ClassVar[str] = ""
+    learned: ClassVar[bool] = True
+    # A zero priority means "not a candidate" (Naive Prefetch has only the previous token's K experts).
+    empty_when_zero: ClassVar[bool] = False
+
+    def __init__(self, dims: PredictorDims, method_cfg: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.dims = dims
+        self.method_cfg = dict(method_cfg or {})
+
+    # -- prediction
+    def forward(self, batch: Batch) -> list[Tensor]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def token_scores(self, batch: Batch) -> list[Tensor]:
+        """Per-token priorities [T, n] per pair; the learned default is π̂ = softmax(ẑ) in float32."""
+        return [F.softmax(z.float(), dim=-1) for z in self.forward(batch)]
+
+    def priorities(self, batch: Batch, aggregate: Aggregate = "token") -> list[Tensor]:
+        """Expert priorities for layers 1..L-1: [T, n] per token, or [n] summed over the batch (§3.2)."""
+        scores = self.token_scores(batch)
+        if aggregate == "token":
+            return scores
+        if aggregate == "batch":
+            return [s.sum(dim=0) for s in scores]
+        raise PredictorError(f"invalid aggregate {aggregate!r}: use 'token' or 'batch'")
+
+    # -- bookkeeping
+    def trainable_params(self) -> int:
+        """Number of trainable parameters, counted from the module (Table 3)."""
+        return int(sum(p.numel() for p in self.parameters() if p.requires_grad))
+
+    def fit_statistics(self, reader: Any) -> None:
+        """Training-free methods collect what they need from the training trace (no-op for learned ones)."""
+
+    def _x(self, batch: Batch, layer: int) -> Tensor:
+        """Router input of MoE ordinal ``layer`` as the predictor's compute dtype (traces store bf16)."""
+        x = batch["x"][layer]
+        if x.shape[-1] != self.dims.hidden_size:
+            raise PredictorError(f"{self.method}: x.{layer} has hidden size {x.shape[-1]}, "
+                                 f"predictor built for D={self.dims.hidden_size}")
+        return x.to(self._param_dtype())
+
+    def _param_dtype(self) -> torch.dtype:
+        for p in self.parameters():
+            return p.dtype
+        return torch.float32
+
+    def check_batch(self, batch: Batch) -> None:
+        for key in ("x", "logits", "topk"):
+            if key in batch and len(batch[key]) != self.dims.n_layers:
+                raise PredictorError(f"{self.method}: batch[{key!r}] has {len(batch[key])} layers, "
+                                     f"predictor built for L={self.dims.n_layers}")
+
+    # -- persistence
+    def meta(self) -> dict[str, Any]:
+        return {
+            "format": PREDICTOR_FORMAT,
+            "method": self.method,
+            "learned": self.learned,
+            "dims": asdict(self.dims),
+            "method_cfg": self.method_cfg,
+            "trainable_params": self.trainable_params(),
+        }
+
+    def save(self, out_dir: str | Path, extra_meta: Mapping[str, Any] | None = None) -> Path:
+        """Write ``predictor.safetensors`` (parameters and buffers) and ``meta.json`` into ``out_dir``.
+
+        Each file is written atomically; callers that need the directory itself to appear atomically
+        (train_predictor) save into an ``atomic_path`` directory.
+        """
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        with atomic_path(out / WEIGHTS_FILE) as tmp:
+            # No safetensors metadata: with more than one key its order in the header is not stable
+            # across runs, and the same seed must give the same bytes. meta.json carries it instead.
+            save_file(state, str(tmp))
+        meta = {**self.meta(), **(extra_meta or {})}
+        meta["weights"] = {"file": WEIGHTS_FILE, "sha256": sha256_file(out / WEIGHTS_FILE),
+                           "tensors": sorted(state)}
+        write_json_atomic(out / META_FILE, meta)
+        return out
+
+
+def read_meta(pred_dir: str | Path) -> dict[str, Any]:
+    path = Path(pred_dir) / META_FILE
+    if not path.is_file():
+        raise PredictorError(f"{path}: missing; {pred_dir} is not a saved predictor")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PredictorError(f"{path}: unreadable ({exc})") from None
+    if meta.get("format") != PREDICTOR_FORMAT:
+        raise PredictorError(f"{path}: format {meta.get('format')!r}, expected {PREDICTOR_FORMAT!r}")
+    for key in ("method", "dims", "weights"):
+        if key not in meta:
+            raise PredictorError(f"{path}: missing key {key!r}")
+    return meta
+
+
+def load_predictor(pred_dir: str | Path, map_location: str | torch.device = "cpu") -> Predictor:
+    """Rebuild a saved predictor from ``meta.json`` and load its weights (checked against their sha256)."""
+    pred_dir = Path(pred_dir)
+    meta = read_meta(pred_dir)
+    wpath = pred_dir / meta["weights"]["file"]
+    if not wpath.is_file():
+        raise PredictorError(f"{wpath}: missing (listed in {pred_dir / META_FILE})")
+    digest = sha256_file(wpath)
+    if digest != meta["weights"]["sha256"]:
+        raise PredictorError(f"{wpath}: sha256 {digest[:12]}... does not match {META_FILE}: the file is corrupt")
+    try:
+        state = load_file(str(wpath), device=str(map_location))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise PredictorError(f"{wpath}: unreadable safetensors file ({exc})") from None
+    try:
+        dims = PredictorDims.from_dict(meta["dims"])
+    except TypeError as exc:
+        raise PredictorError(f"{pred_dir / META_FILE}: bad dims ({exc})") from None
+    pred = predictor_class(meta["method"])(dims, meta.get("method_cfg") or {})
+    try:
+        pred.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise PredictorError(f"{wpath}: does not fit a {meta['method']} predictor with dims {meta['dims']}: "
+                             f"{str(exc).splitlines()[0]}") from None
+    pred.to(map_location)
+    pred.eval()
+    return pred

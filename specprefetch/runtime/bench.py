@@ -1,0 +1,165 @@
+"""Runtime benchmarks (paper §4.4: Tables 4-5, Figures 4-6): paired, interleaved, repeated decoding runs.
+
+Experiments (the ``experiment`` column of ``runs.csv``), all on the same prompts:
+
+- ``main`` (Table 4 + the all-resident bound): every policy of ``device.main_policies`` at the profiled
+  ``M_max`` on the reference storage (cold NVMe);
+- ``matched`` (Table 5): Naive Prefetch vs SpecPrefetch (and FATE) at the same ``M_max`` on the reference and the
+  slow storage;
+- ``sweep`` (Figure 4): SpecPrefetch at every ``device.sweep_m_max`` (and the profiled one) vs OFF, reference storage;
+- ``storage`` (Figure 5): OFF vs SpecPrefetch on every storage profile;
+- ``component`` (Figure 6): compute_opt off/on x prefetch off/on, reference storage (page cache evicted).
+
+Within an experiment, repeat ``r`` of every configuration runs back to back before repeat ``r+1`` starts, so
+gains are paired: ``tokens_per_s / tokens_per_s(off, same experiment, storage, compute_opt, repeat) - 1``.
+Every run must decode exactly the tokens of the first run (the router decides; this is checked). Each run's
+routing and priorities are kept so the simulator can replay it.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specprefetch.io import SpecPrefetchError, atomic_path, provenance, write_json_atomic
+from specprefetch.runtime.session import Harness, RunResult
+
+log = logging.getLogger(__name__)
+
+RUN_COLUMNS = [
+    "platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat", "tokens_per_s",
+    "ready_recall", "n_tokens", "hits", "misses", "prefetched", "wasted", "stall_ms", "source",
+    "inflight", "cancelled", "demand_loads", "io_errors", "peak_cache_experts", "capacity_experts",
+    "peak_cache_bytes", "capacity_bytes", "decode_s", "charge", "tokens_match",
+]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    experiment: str
+    policy: str
+    storage: str
+    m_max: int
+    compute_opt: bool = True
+
+    @property
+    def key(self) -> str:
+        return f"{self.experiment}|{self.policy}|{self.storage}|{self.m_max}|{int(self.compute_opt)}"
+
+
+def plan_experiments(s: dict[str, Any], m_max: int, experiments: Iterable[str]) -> dict[str, list[RunConfig]]:
+    """The configurations of every experiment, in run order (OFF first, so it is each repeat's reference)."""
+    ref, slow = s["reference_storage"], s["slow_storage"]
+    out: dict[str, list[RunConfig]] = {}
+    for exp in experiments:
+        if exp == "main":
+            pols = ["off", *[p for p in s["main_policies"] if p != "off"]]
+            out[exp] = [RunConfig(exp, p, ref, m_max) for p in pols]
+        elif exp == "matched":
+            pols = ["off", *[p for p in s["matched_policies"] if p != "off"]]
+            out[exp] = [RunConfig(exp, p, st, m_max) for st in dict.fromkeys([ref, slow]) for p in pols]
+        elif exp == "sweep":
+            ms = sorted({int(m) for m in s["sweep_m_max"]} | {m_max})
+            out[exp] = [RunConfig(exp, "off", ref, 0)] + [RunConfig(exp, "specprefetch", ref, m) for m in ms]
+        elif exp == "storage":
+            out[exp] = [RunConfig(exp, p, st, m_max) for st in s["storages"] for p in ("off", "specprefetch")]
+        elif exp == "component":
+            out[exp] = [RunConfig(exp, p, ref, m_max, opt) for opt in (False, True) for p in ("off", "specprefetch")]
+        else:
+            raise SpecPrefetchError(f"unknown experiment {exp!r}")
+    return out
+
+
+def run_row(res: RunResult, cfg: RunConfig, repeat: int, platform: str, model: str, charge: str,
+            record_bytes: int, tokens_match: bool) -> dict[str, Any]:
+    st = res.stats
+    return {
+        "platform": platform, "model": model, "experiment": cfg.experiment, "policy": cfg.policy,
+        "storage": cfg.storage, "m_max": res.m_max, "compute_opt": cfg.compute_opt, "repeat": repeat,
+        "tokens_per_s": res.tokens_per_s, "ready_recall": st.ready_recall, "n_tokens": res.n_tokens,
+        "hits": st.hits, "misses": st.misses, "prefetched": st.prefetched, "wasted": st.wasted,
+        "stall_ms": st.stall_ms, "source": "measured", "inflight": st.inflight, "cancelled": st.cancelled,
+        "demand_loads": st.demand_loads, "io_errors": st.io_errors, "peak_cache_experts": st.peak_cache_experts,
+        "capacity_experts": res.capacity, "peak_cache_bytes": st.peak_cache_experts * record_bytes,
+        "capacity_bytes": res.capacity * record_bytes, "decode_s": res.decode_s,
+        "charge": charge if cfg.storage not in ("nvme_cold", "ram") else "real", "tokens_match": tokens_match,
+    }
+
+
+def recorded_routing(res: RunResult) -> list[dict[str, Any]]:
+    """The run's per-event routing and priorities, compactly (the simulator's replay input)."""
+    return [{"step": ev.step, "layer": ev.layer, "topk": ev.topk.to(torch.int16) if ev.topk is not None else None,
+             "scores": ev.scores.float() if ev.scores is not None else None} for ev in res.events]
+
+
+def bench_runtime(h: Harness, profile: dict[str, Any], model: str, platform: str, out_csv: str | Path,
+                  experiments: Iterable[str] | None = None, routing_out: str | Path | None = None,
+                  config_fragment: Any = None) -> list[dict[str, Any]]:
+    """Run every experiment and write ``out_csv`` (one row per run); returns the rows."""
+    s = h.s
+    m_max = int(profile["m_max"]) if s["m_max"] == "auto" else int(s["m_max"])
+    plan = plan_experiments(s, m_max, experiments or s["experiments"])
+    repeats = int(s["repeats"])
+    n_runs = sum(len(v) for v in plan.values()) * repeats
+    log.info("%d runs: %s", n_runs, ", ".join(f"{k} ({len(v)} configs)" for k, v in plan.items()))
+    # warm-up: allocator, lazy module init, page-table of the store (not recorded)
+    h.run("resident", "ram", max_new_tokens=4, prompts=h.prompts[:1])
+    h.run("off", s["reference_storage"], max_new_tokens=4, prompts=h.prompts[:1])
+    reference_tokens: list[list[int]] | None = None
+    rows: list[dict[str, Any]] = []
+    routing: dict[str, Any] = {}
+    done = 0
+    for exp, configs in plan.items():
+        for r in range(repeats):
+            for cfg in configs:
+                res = h.run(cfg.policy, cfg.storage, cfg.m_max, cfg.compute_opt, record=True)
+                done += 1
+                toks = res.tokens()
+                if reference_tokens is None:
+                    reference_tokens = toks
+                match = toks == reference_tokens
+                if not match:
+                    raise SpecPrefetchError(f"{model}: run {cfg.key} repeat {r} decoded different tokens than the "
+                                            "first run; the offloaded runtime must not change outputs")
+                rows.append(run_row(res, cfg, r, platform, model, s["charge"], h.store.record_bytes, match))
+                if r == 0:
+                    routing[cfg.key] = {"row": rows[-1], "events": recorded_routing(res)}
+                log.info("[%d/%d] %s r%d: %.2f tok/s", done, n_runs, cfg.key, r, res.tokens_per_s)
+    write_runs_csv(out_csv, rows)
+    if routing_out is not None:
+        with atomic_path(routing_out) as tmp:
+            torch.save({"format": "specprefetch-routing-record/1", "model": model, "platform": platform,
+                        "runs": routing, "provenance": provenance(config_fragment)}, tmp)
+    return rows
+
+
+def write_runs_csv(path: str | Path, rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:
+    cols = list(columns or RUN_COLUMNS)
+    for r in rows:
+        for k in r:
+            if k not in cols:
+                cols.append(k)
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=cols, lineterminator="\n", restval="")
+            w.writeheader()
+            for r in rows:
+                w.writerow({k: _fmt(v) for k, v in r.items()})
+
+
+def _fmt(v: Any) -> Any:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return v
+
+
+def write_bench_meta(path: str | Path, h: Harness, profile: dict[str, Any], config_fragment: Any) -> None:
+    write_json_atomic(path, {"profile": profile, "capacity": h.capacity, "provenance": provenance(config_fragment)})

@@ -1,0 +1,283 @@
+"""CLI of the runtime stage: expert store, window profiling, benchmarks, simulator, device-log collection,
+and the accuracy check through lm-eval.
+
+    specprefetch build-expert-store --config C --model M --model-dir D --out results/device/store/M
+    specprefetch profile-window --config C --model M --model-dir D --store S --workload-dir W \\
+        --predictor specprefetch=P --out results/device/window/M
+    specprefetch bench-runtime --config C --model M --model-dir D --store S --window results/device/window/M \\
+        --workload-dir W --predictor specprefetch=P --predictor fate=F --out results/device/measured/M.csv \\
+        --routing-out results/device/measured/M.routing.pt [--device cuda]
+    specprefetch simulate --config C --model M --window results/device/window/M \\
+        --routing results/device/measured/M.routing.pt --traces T --predictor ... \\
+        --out results/device/simulated/M.csv --validation results/device/sim_validation/M.csv
+    specprefetch collect-device-benchmarks --runs a.csv b.csv --external logs/*.csv --windows DIR... \\
+        --validation V... --out-dir results/device
+    specprefetch evaluate-offloaded --config C --model M --model-dir D --store S --predictor ... \\
+        --tasks-dir results/workloads --out results/device/accuracy/M.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from specprefetch.cli import add_config_arg, load_args_config
+from specprefetch.io import SpecPrefetchError, seed_everything, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    add_config_arg(p)
+    p.add_argument("--model", required=True, help="model name of the config")
+    p.add_argument("--model-dir", type=Path, default=None, help="stand-in / local checkpoint directory")
+
+
+def _predictor_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--predictor", action="append", default=[], metavar="METHOD=DIR",
+                   help="a trained predictor (specprefetch, fate); repeatable")
+
+
+def _device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default=None,
+                   help="accelerator (default: config device.accelerator)")
+
+
+def parse_predictors(items: list[str]) -> dict[str, Path]:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise SpecPrefetchError(f"--predictor {item!r}: expected METHOD=DIR")
+        method, d = item.split("=", 1)
+        out[method.strip()] = Path(d)
+    return out
+
+
+def provider_factories(pred_dirs: dict[str, Path], spec: Any, device: str) -> dict[str, Callable[[], Any]]:
+    """Factories of priority providers: trained predictors from their directories; FATE also from the gates."""
+    from specprefetch.predictors.base import load_predictor
+    from specprefetch.runtime.priority import PredictorPriority, fate_from_model
+
+    out: dict[str, Callable[[], Any]] = {}
+    for method, d in pred_dirs.items():
+        pred = load_predictor(d)
+        if pred.dims.n_layers != spec.n_layers or pred.dims.n_experts != spec.n_experts:
+            raise SpecPrefetchError(f"{d}: predictor for L={pred.dims.n_layers}, n={pred.dims.n_experts}; "
+                                    f"the model has L={spec.n_layers}, n={spec.n_experts}")
+        out[method] = (lambda p=pred: PredictorPriority(p, device))
+    if "fate" not in out:
+        fate = fate_from_model(spec)
+        out["fate"] = lambda: PredictorPriority(fate, device)
+    return out
+
+
+def _setup(args: argparse.Namespace, need_prompts: bool = True) -> dict[str, Any]:
+    """Config, settings, accelerator, model bundle, store, prompts and providers shared by the commands."""
+    import torch
+
+    from specprefetch.models import load_bundle
+    from specprefetch.runtime.decode import prompts_from_workload
+    from specprefetch.runtime.settings import device_settings, platform_label, resolve_accelerator
+    from specprefetch.runtime.store import ExpertStore
+
+    cfg = load_args_config(args)
+    s = device_settings(cfg)
+    accel = resolve_accelerator(s, getattr(args, "device", None))
+    torch.set_num_threads(int(s["threads"]))
+    seed_everything(int(cfg["seed"]))
+    torch.use_deterministic_algorithms(False)  # inference only; keeps CUDA kernels available
+    bundle = load_bundle(cfg, args.model, args.model_dir)
+    store = ExpertStore(args.store)
+    prompts = []
+    if need_prompts:
+        wdir = args.workload_dir
+        prompts = prompts_from_workload(bundle, wdir, int(s["n_prompts"]), int(s["max_prompt_tokens"]))
+    providers = provider_factories(parse_predictors(args.predictor), bundle.routing, accel)
+    return {"cfg": cfg, "s": s, "accel": accel, "platform": platform_label(s, accel), "bundle": bundle,
+            "store": store, "prompts": prompts, "providers": providers}
+
+
+def _harness(env: dict[str, Any], scale: float = 1.0) -> Any:
+    from specprefetch.runtime.session import Harness
+
+    b = env["bundle"]
+    return Harness(b.model, b.routing, env["store"], env["s"], env["prompts"], env["providers"], env["accel"],
+                   emulation_scale=scale, tokenizer=b.tokenizer)
+
+
+def _fragment(cfg: dict[str, Any], model: str) -> dict[str, Any]:
+    return {"device": cfg.get("device"), "model": cfg["models"][model], "seed": cfg["seed"]}
+
+
+# ------------------------------------------------------------------------------------------ commands
+def _cmd_build_store(args: argparse.Namespace) -> None:
+    from specprefetch.models import load_bundle
+    from specprefetch.runtime.store import build_expert_store
+
+    cfg = load_args_config(args)
+    bundle = load_bundle(cfg, args.model, args.model_dir)
+    build_expert_store(bundle.model, args.out, bundle.routing, model_name=args.model,
+                       config_fragment=_fragment(cfg, args.model))
+
+
+def _cmd_profile_window(args: argparse.Namespace) -> None:
+    from specprefetch.runtime.window import profile_window
+
+    env = _setup(args)
+    h = _harness(env)
+    try:
+        profile_window(h, args.model, env["platform"], args.out, _fragment(env["cfg"], args.model))
+    finally:
+        h.close()
+
+
+def _cmd_bench(args: argparse.Namespace) -> None:
+    from specprefetch.runtime.bench import bench_runtime
+
+    env = _setup(args)
+    profile = json.loads((Path(args.window) / "profile.json").read_text())
+    if profile.get("model") != args.model:
+        raise SpecPrefetchError(f"{args.window}/profile.json is for model {profile.get('model')!r}, not {args.model!r}")
+    h = _harness(env, scale=float(profile.get("emulation_scale", 1.0)))
+    experiments = args.experiments.split(",") if args.experiments else None
+    try:
+        bench_runtime(h, profile, args.model, env["platform"], args.out, experiments, args.routing_out,
+                      _fragment(env["cfg"], args.model))
+    finally:
+        h.close()
+
+
+def _cmd_simulate(args: argparse.Namespace) -> None:
+    import torch
+
+    from specprefetch.runtime.bench import write_runs_csv
+    from specprefetch.runtime.settings import device_settings
+    from specprefetch.runtime.simrun import (
+        simulate_platform,
+        summarize_validation,
+        validate_simulator,
+        write_validation_csv,
+    )
+
+    cfg = load_args_config(args)
+    s = device_settings(cfg)
+    torch.set_num_threads(int(s["threads"]))
+    profile = json.loads((Path(args.window) / "profile.json").read_text())
+    record = torch.load(args.routing, weights_only=False)
+    if record.get("format") != "specprefetch-routing-record/1":
+        raise SpecPrefetchError(f"{args.routing}: not a routing record of bench-runtime")
+    val = validate_simulator(record, profile, s)
+    summary = summarize_validation(val)
+    log.info("simulator vs measured, mean |relative error|: %s",
+             ", ".join(f"{k} {v:.1%}" for k, v in summary.items()))
+    rows: list[dict[str, Any]] = []
+    info: dict[str, Any] = {"validation_mean_abs_rel_error": summary, "platforms": []}
+    if args.traces:
+        from specprefetch.traces.store import TraceReader
+
+        arch = cfg["models"][args.model]["arch"]
+        for tdir in args.traces:
+            reader = TraceReader(tdir)
+            spec_like = _TraceSpec(reader)
+            providers = provider_factories(parse_predictors(args.predictor), spec_like, "cpu") \
+                if args.predictor else {}
+            for platform in s["simulator"]["platforms"]:
+                r, meta = simulate_platform(platform, args.model, arch, reader, providers, s, s["experiments"])
+                rows.extend(r)
+                info["platforms"].append({"trace": str(tdir), **meta})
+    write_runs_csv(args.out, rows)
+    write_validation_csv(args.validation, val)
+    write_json_atomic(Path(args.validation).with_suffix(".json"), info)
+
+
+class _TraceSpec:
+    """The routing facts a trace carries (enough for FATE from its routers and for shape checks)."""
+
+    def __init__(self, reader: Any) -> None:
+        m = reader.manifest
+        self.n_layers, self.n_experts, self.top_k = reader.n_layers, reader.n_experts, reader.top_k
+        self.hidden_size, self.scoring, self.arch = reader.hidden_size, m.get("scoring", "softmax"), m.get("arch", "")
+        self._reader = reader
+
+    def router_tensors(self) -> dict[str, Any]:
+        return self._reader.routers()
+
+
+def _cmd_collect(args: argparse.Namespace) -> None:
+    from specprefetch.runtime.external import collect_device_benchmarks, concat_csvs
+
+    out = Path(args.out_dir)
+    rows = collect_device_benchmarks(args.runs, args.external or [], out / "runs.csv")
+    for name in ("window.csv", "window_events.csv", "latency.csv"):
+        concat_csvs([Path(d) / name for d in args.windows], out / name)
+    if args.validation:
+        concat_csvs(args.validation, out / "sim_validation.csv")
+    log.info("runs.csv: %d rows (%d external logs)", len(rows), len(args.external or []))
+
+
+def _cmd_evaluate_offloaded(args: argparse.Namespace) -> None:
+    from specprefetch.runtime.lm_eval_model import evaluate_offloaded
+
+    env = _setup(args, need_prompts=False)
+    evaluate_offloaded(env["cfg"], env["s"], args.model, env["bundle"], env["store"], env["providers"],
+                       Path(args.tasks_dir), args.out, device=env["accel"])
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("build-expert-store", help="write a model's routed experts as one aligned record each")
+    _model_args(p)
+    p.add_argument("--out", required=True, type=Path)
+    p.set_defaults(func=_cmd_build_store)
+
+    p = sub.add_parser("profile-window", help="measure W_l, per-expert transfer time, M_max, layer latency")
+    _model_args(p)
+    p.add_argument("--store", required=True, type=Path)
+    p.add_argument("--workload-dir", required=True, type=Path)
+    _predictor_arg(p)
+    _device_arg(p)
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.set_defaults(func=_cmd_profile_window)
+
+    p = sub.add_parser("bench-runtime", help="paired interleaved runtime benchmarks -> runs CSV")
+    _model_args(p)
+    p.add_argument("--store", required=True, type=Path)
+    p.add_argument("--window", required=True, type=Path, help="profile-window output directory")
+    p.add_argument("--workload-dir", required=True, type=Path)
+    _predictor_arg(p)
+    _device_arg(p)
+    p.add_argument("--experiments", default=None, help="comma-separated subset (default: config)")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--routing-out", type=Path, default=None, help="recorded routing for the simulator (.pt)")
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("simulate", help="trace-driven simulator: validation + platform estimates")
+    add_config_arg(p)
+    p.add_argument("--model", required=True)
+    p.add_argument("--window", required=True, type=Path)
+    p.add_argument("--routing", required=True, type=Path, help="bench-runtime --routing-out file")
+    p.add_argument("--traces", nargs="*", default=[], type=Path, help="routing traces for platform estimates")
+    _predictor_arg(p)
+    p.add_argument("--out", required=True, type=Path, help="simulated runs CSV")
+    p.add_argument("--validation", required=True, type=Path, help="simulator-vs-measured CSV")
+    p.set_defaults(func=_cmd_simulate)
+
+    p = sub.add_parser("collect-device-benchmarks", help="validate external logs, merge everything into runs.csv")
+    p.add_argument("--runs", nargs="+", required=True, type=Path, help="measured and simulated run CSVs")
+    p.add_argument("--external", nargs="*", default=[], type=Path, help="external device logs (.csv/.jsonl)")
+    p.add_argument("--windows", nargs="+", required=True, type=Path, help="profile-window directories")
+    p.add_argument("--validation", nargs="*", default=[], type=Path)
+    p.add_argument("--out-dir", required=True, type=Path)
+    p.set_defaults(func=_cmd_collect)
+
+    p = sub.add_parser("evaluate-offloaded", help="lm-eval through the offloaded runtime vs the plain model")
+    _model_args(p)
+    p.add_argument("--store", required=True, type=Path)
+    _predictor_arg(p)
+    _device_arg(p)
+    p.add_argument("--tasks-dir", required=True, type=Path, help="results/workloads (each with lm_eval/)")
+    p.add_argument("--out", required=True, type=Path)
+    p.set_defaults(func=_cmd_evaluate_offloaded)

@@ -1,0 +1,129 @@
+"""Batch-1 greedy decoding with per-token timestamps, and the benchmark prompts taken from a workload.
+
+Decoding uses the model's own ``generate`` (so multimodal position handling stays the model's), greedy, with a
+stopping criterion that only records the wall time at which every new token exists. Decoding throughput of a
+prompt is ``(n_new - 1) / (t_last - t_first)``: the prefill and the first token are excluded, as the paper
+reports decoding throughput.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specprefetch.io import SpecPrefetchError
+
+log = logging.getLogger(__name__)
+
+PER_TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "images_seq_mask")
+
+
+@dataclass
+class Prompt:
+    """One benchmark prompt: its id and the forward kwargs of its prompt part (batch of 1)."""
+
+    id: str
+    kwargs: dict[str, Tensor]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.kwargs["input_ids"].shape[1])
+
+    def to(self, device: torch.device | str) -> Prompt:
+        return Prompt(self.id, {k: v.to(device) for k, v in self.kwargs.items()})
+
+
+@dataclass
+class Generation:
+    """New token ids and the wall time at which each of them was available."""
+
+    prompt_id: str
+    new_ids: list[int]
+    times: list[float]
+
+    @property
+    def decode_tokens(self) -> int:
+        return max(0, len(self.times) - 1)
+
+    @property
+    def decode_s(self) -> float:
+        return self.times[-1] - self.times[0] if len(self.times) > 1 else 0.0
+
+
+class _TokenClock:
+    """A stopping criterion that never stops: it timestamps each generated token."""
+
+    def __init__(self, sync: bool) -> None:
+        self.times: list[float] = []
+        self.sync = sync
+
+    def __call__(self, input_ids: Tensor, scores: Any = None, **kwargs: Any) -> Tensor:
+        if self.sync:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _pad_id(model: Any, tokenizer: Any = None) -> int | None:
+    for obj in (tokenizer, getattr(model, "generation_config", None), getattr(model, "config", None)):
+        for name in ("pad_token_id", "eos_token_id"):
+            v = getattr(obj, name, None)
+            if isinstance(v, list):
+                v = v[0] if v else None
+            if v is not None:
+                return int(v)
+    return None
+
+
+@torch.no_grad()
+def greedy_generate(model: Any, prompt: Prompt, max_new_tokens: int, fixed_length: bool = True,
+                    tokenizer: Any = None) -> Generation:
+    """Greedy decoding of ``prompt``; ``fixed_length`` forbids EOS so every run decodes the same count."""
+    from transformers import StoppingCriteriaList
+
+    device = prompt.kwargs["input_ids"].device
+    clock = _TokenClock(device.type == "cuda")
+    kwargs = dict(prompt.kwargs)
+    n_in = int(kwargs["input_ids"].shape[1])
+    out = model.generate(
+        **kwargs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if fixed_length else None,
+        do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None,
+        pad_token_id=_pad_id(model, tokenizer), stopping_criteria=StoppingCriteriaList([clock]),
+    )
+    seq = out if isinstance(out, Tensor) else out.sequences
+    new = seq[0, n_in:].tolist() if seq.shape[1] > n_in else seq[0].tolist()
+    return Generation(prompt.id, [int(t) for t in new], clock.times[: len(new)])
+
+
+def prompts_from_workload(bundle: Any, workload_dir: str | Path, n_prompts: int,
+                          max_prompt_tokens: int | None = None) -> list[Prompt]:
+    """The first ``n_prompts`` samples of a workload, encoded for ``bundle``'s model, prompt part only.
+
+    ``encode_sample`` builds ``[image] prompt reference``; the runtime generates its own continuation, so the
+    per-token tensors are cut at the prompt's end (images and their grids are kept whole). Text prompts longer
+    than ``max_prompt_tokens`` keep their last tokens (never cutting an image).
+    """
+    from specprefetch.data.workloads import read_workload
+    from specprefetch.models import encode_sample
+
+    root = Path(workload_dir)
+    samples = read_workload(root)
+    if not samples:
+        raise SpecPrefetchError(f"{root}: workload has no samples")
+    out = []
+    for sample in samples[:n_prompts]:
+        enc = encode_sample(bundle, sample, root)
+        n_prompt = int(enc.is_prompt.sum())
+        start = 0
+        if max_prompt_tokens and n_prompt > max_prompt_tokens and not bool(enc.is_image.any()):
+            start = n_prompt - max_prompt_tokens
+        kwargs = {k: (v[:, start:n_prompt] if k in PER_TOKEN_KEYS else v) for k, v in enc.kwargs.items()}
+        out.append(Prompt(enc.sample_id, kwargs))
+    log.info("%d prompts from %s (%s tokens)", len(out), root, [p.n_tokens for p in out])
+    return out

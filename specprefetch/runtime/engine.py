@@ -1,0 +1,414 @@
+"""The offloaded MoE runtime: routed experts served from a bounded cache, with window-aware prefetching.
+
+:class:`OffloadedRuntime` replaces each MoE block's fused ``experts`` module by an :class:`OffloadedExperts`
+with the same call signature ``(hidden_states, top_k_index, top_k_weights)``. The gate is never touched: the
+native router still decides which experts run, so the model's outputs cannot depend on the prefetch policy.
+
+At MoE layer ``l`` (one call of ``OffloadedExperts.forward``):
+
+1. ``t_exec``: the layer's demand T^l is known. Queued prefetches for ``l`` that are not needed are cancelled,
+   needed ones are promoted to demand loads; the cache's content A^l(t_exec) is recorded (ReadyRecall, hits).
+2. Required experts are pinned; absent ones are loaded on demand (queued before any prefetch).
+3. The policy's provider turns ``x^l`` into priorities ``s^{l+1}`` (``t_pred``); the top ``M_max`` experts of layer
+   ``l+1`` neither resident nor in flight are queued as asynchronous prefetches in priority order (PRED0 computes
+   them but issues nothing).
+4. The experts are computed in ascending expert id (the accumulation order of transformers' eager loop, so the
+   result is bit-identical whatever was cached), waiting for the loads still in flight (the stall).
+
+``compute_opt`` (Figure 6's "compute optimization"): for a decoding step (one token) the layer's experts are
+gathered from the cache slots with one ``index_select`` per weight matrix and computed with two batched matmuls,
+instead of transformers' Python loop issuing ~10 kernels per expert. Prefill (many tokens) always uses the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specprefetch.io import SpecPrefetchError
+from specprefetch.runtime.cache import ExpertCache, Key, SlotPool
+from specprefetch.runtime.priority import PriorityProvider, select_prefetch
+from specprefetch.runtime.storage import ExpertReader, StorageError
+from specprefetch.runtime.store import ExpertStore, MoEBlock, find_moe_blocks
+from specprefetch.runtime.timeline import LayerEvent, RunStats, summarize
+from specprefetch.runtime.transfer import Transfer, TransferEngine
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("off", "pred0", "specprefetch", "naive", "fate", "resident")
+PREDICTING = ("pred0", "specprefetch", "naive", "fate")
+
+
+class OffloadError(SpecPrefetchError):
+    """The runtime cannot be set up as asked (capacity, policy, store/model mismatch)."""
+
+
+@dataclass
+class RuntimeOptions:
+    """How the runtime serves experts. ``capacity`` is in experts (0: every routed expert fits)."""
+
+    policy: str = "off"
+    m_max: int = 0
+    capacity: int = 0
+    compute_opt: bool = True
+    io_workers: int = 4
+    io_retries: int = 2
+    sync_prefetch: bool = False   # wait for every transfer at the end of each layer (deterministic; tests/sim)
+    record_routing: bool = False  # keep each event's top-k and priorities (simulator input)
+    preload: bool = False         # every expert resident before the run (implied by policy "resident")
+    topm_absent: tuple[int, ...] = ()  # record |Top_M(s) minus available| at t_pred for these M (Figure 1b)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise OffloadError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if self.m_max < 0:
+            raise OffloadError(f"m_max must be >= 0, got {self.m_max}")
+
+
+def capacity_from_bytes(capacity_bytes: int, store: ExpertStore) -> int:
+    """Cache capacity in experts for a byte budget (each slot holds one aligned record)."""
+    return int(capacity_bytes) // store.record_bytes
+
+
+def top_k_index_row(idx: Tensor, device: torch.device) -> Tensor:
+    """The single token's expert ids on ``device`` (idx is the host copy of top_k_index)."""
+    row = idx[0]
+    return row if row.device == device else row.to(device)
+
+
+class OffloadedExperts(nn.Module):
+    """Drop-in replacement of a fused experts module; computes through the bound runtime's expert cache.
+
+    It holds no weights. A harness may install these modules once (e.g. before moving the model to CUDA, so the
+    fused experts never reach the GPU) and bind a new runtime to them for every run.
+    """
+
+    is_offloaded = True
+
+    def __init__(self, runtime: OffloadedRuntime | None, ordinal: int, act_fn: nn.Module, num_experts: int) -> None:
+        super().__init__()
+        self.ordinal = ordinal
+        self.act_fn = act_fn
+        self.num_experts = num_experts
+        self.bind(runtime)
+
+    def bind(self, runtime: OffloadedRuntime | None) -> None:
+        object.__setattr__(self, "_runtime", runtime)  # not a submodule: no parameters, no state_dict entry
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        if self._runtime is None:
+            raise OffloadError(f"MoE layer ordinal {self.ordinal}: offloaded experts used with no runtime bound")
+        return self._runtime.moe_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def install_offloaded(blocks: list[MoEBlock]) -> list[nn.Module]:
+    """Replace every block's experts by an unbound :class:`OffloadedExperts`; returns the originals."""
+    originals = []
+    for b in blocks:
+        originals.append(b.experts)
+        if not getattr(b.experts, "is_offloaded", False):
+            b.block.experts = OffloadedExperts(None, b.ordinal, b.experts.act_fn, int(b.experts.num_experts))
+            b.experts = b.block.experts
+    return originals
+
+
+class OffloadedRuntime:
+    """Batch-1 offloaded decoding of a transformers MoE model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, store: ExpertStore, reader: ExpertReader, options: RuntimeOptions,
+                 provider: PriorityProvider | None = None, spec: Any | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        from specprefetch.models.routing import discover_routing
+
+        self.model = model
+        self.store = store
+        self.reader = reader
+        self.opt = options
+        self.spec = spec if spec is not None else discover_routing(model)
+        self.blocks: list[MoEBlock] = find_moe_blocks(model, self.spec)
+        store.check_model(self.blocks)
+        self.n_layers = len(self.blocks)
+        self.n_experts = store.n_experts
+        self.top_k = int(self.spec.top_k)
+        self.device = torch.device(device)
+        self.preload = options.preload or options.policy == "resident"
+        cap = store.total_experts if self.preload or not options.capacity else options.capacity
+        cap = min(int(cap), store.total_experts)
+        if cap < self.top_k:
+            raise OffloadError(f"cache capacity {cap} experts < top_k={self.top_k}: one layer cannot execute")
+        if options.policy in PREDICTING and options.policy != "naive" and provider is None:
+            raise OffloadError(f"policy {options.policy!r} needs a priority provider (a predictor)")
+        self.provider = provider if options.policy in PREDICTING else None
+        self.cache = ExpertCache(cap)
+        self.pool = SlotPool(cap, store.layout, self.device)
+        self.engine = TransferEngine(reader, self.cache, self.pool, options.io_workers, options.io_retries)
+        self.originals: list[nn.Module | None] = []
+        self.installed = False
+        self.events: list[LayerEvent] = []
+        self.step = -1
+        self._issued: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+
+    # -------------------------------------------------------------- lifecycle
+    def install(self) -> OffloadedRuntime:
+        """Swap every MoE block's experts module for an offloaded one (the gates stay as they are)."""
+        if self.installed:
+            return self
+        for b in self.blocks:
+            if getattr(b.experts, "is_offloaded", False):
+                self.originals.append(None)  # installed by a harness: bind only
+            else:
+                self.originals.append(b.experts)
+                b.block.experts = OffloadedExperts(None, b.ordinal, b.experts.act_fn, self.n_experts)
+                b.experts = b.block.experts
+            b.experts.bind(self)
+        self.installed = True
+        return self
+
+    def uninstall(self) -> None:
+        """Unbind; experts modules this runtime replaced get their originals back (the plain model again)."""
+        for b, orig in zip(self.blocks, self.originals):
+            b.experts.bind(None)
+            if orig is not None:
+                b.block.experts = orig
+                b.experts = orig
+        self.originals = []
+        self.installed = False
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> OffloadedRuntime:
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
+        self.close()
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.cache.capacity * self.store.record_bytes
+
+    def reset_run(self) -> None:
+        """A fresh run: empty cache (or every expert resident), storage prepared (cold), no history."""
+        self.engine.drain()
+        self.cache.reset()
+        self.engine.reset_log()
+        self.events = []
+        self.step = -1
+        self._issued.clear()
+        if self.preload:
+            self._preload_all()
+        self.reader.prepare_run()
+        self.new_sequence()
+
+    def new_sequence(self) -> None:
+        """A new prompt starts: per-sequence predictor state is dropped (the cache is kept)."""
+        if self.provider is not None:
+            self.provider.reset()
+
+    def _preload_all(self) -> None:
+        keys = [(l, e) for l in range(self.n_layers) for e in range(self.n_experts)]
+        self.cache.preload(keys)
+        for l in range(self.n_layers):
+            for e, rec in self.store.read_all(l):
+                slot = self.cache.slot((l, e))
+                self.pool.record(slot).copy_(torch.frombuffer(bytearray(rec), dtype=torch.uint8))
+
+    def stats(self, decode_only: bool = True) -> RunStats:
+        st = summarize(self.events, self.top_k, decode_only)
+        st.io_errors = self.engine.io_errors
+        st.peak_cache_experts = self.cache.peak_used
+        return st
+
+    # -------------------------------------------------------------- the MoE layer
+    def moe_forward(self, mod: OffloadedExperts, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        l = mod.ordinal
+        t_exec = time.perf_counter()
+        if l == 0:
+            self.step += 1
+        idx = top_k_index.detach().to("cpu")
+        required = sorted({e for e in idx.reshape(-1).tolist() if 0 <= e < self.n_experts})
+        keys: list[Key] = [(l, e) for e in required]
+        ev = self._begin_layer(l, t_exec, idx, required)
+        protect = set(keys)
+        j = self._acquire(keys, 0, protect)
+        self._predict_and_prefetch(l, hidden, ev, protect)
+        if self.opt.compute_opt and hidden.shape[0] == 1 and len(keys) == idx.shape[1]:
+            out = self._compute_batched(mod, hidden, idx, top_k_weights, keys, j, protect, ev)
+        else:
+            out = self._compute_loop(mod, hidden, idx, top_k_weights, keys, j, protect, ev)
+        if self.opt.sync_prefetch:
+            self.engine.drain()
+        with self.cache.lock:  # LRU: the layer used its experts (in ascending id, whatever order they arrived in)
+            for key in keys:
+                self.cache.touch(key)
+        if self.provider is not None:
+            self.provider.observe(l, idx, top_k_weights.detach())
+        ev.t_done = time.perf_counter()
+        return out
+
+    def _begin_layer(self, l: int, t_exec: float, idx: Tensor, required: list[int]) -> LayerEvent:
+        req = set(required)
+        with self.cache.lock:
+            cancelled = self.engine.cancel_pending(l, req)
+            for e in required:
+                self.engine.promote((l, e))
+            resident = {e for e in required if self.cache.is_resident((l, e))}
+            inflight = {e for e in required if e not in resident and self.engine.inflight((l, e)) is not None}
+        rows = idx.tolist()
+        ready_pairs = sum(len(set(r) & resident) for r in rows)
+        ev = LayerEvent(step=self.step, layer=l, n_tokens=len(rows), t_exec=t_exec, required=required,
+                        hits=len(resident), inflight=len(inflight), misses=len(req) - len(resident) - len(inflight),
+                        ready_pairs=ready_pairs, t_ready=t_exec, t_compute=t_exec)
+        canc = {id(t) for t in cancelled}
+        for tr in self._issued.pop((self.step, l), []):
+            if tr.state == "cancelled" or id(tr) in canc:
+                ev.prefetch_cancelled += 1
+            elif tr.key[1] in req:
+                ev.prefetch_used += 1
+            else:
+                ev.prefetch_wasted += 1
+        if self.opt.record_routing:
+            ev.topk = idx.clone()
+        self.events.append(ev)
+        return ev
+
+    def _acquire(self, keys: list[Key], j: int, protect: set[Key]) -> int:
+        """Pin ``keys[j:]`` in order while the cache has room, queueing demand loads; returns the new ``j``."""
+        with self.cache.lock:
+            while j < len(keys):
+                key = keys[j]
+                if not (self.cache.is_resident(key) or self.cache.is_inflight(key)):
+                    if self.cache.reserve(key, protect, last_resort=True) is None:
+                        break
+                    self.engine.submit(key, "demand", self.step)
+                self.cache.pin(key)
+                j += 1
+        return j
+
+    def _wait_for_room(self) -> None:
+        if not self.engine.wait_any():
+            raise OffloadError(f"expert cache of {self.cache.capacity} experts cannot hold one more expert "
+                                "(every slot pinned)")
+
+    def _ensure(self, key: Key, protect: set[Key]) -> int:
+        """Block until ``key`` is resident (it is pinned); reload on demand if its transfer failed."""
+        failures = 0
+        while True:
+            with self.cache.lock:
+                if self.cache.is_resident(key):
+                    return self.cache.slot(key)
+                tr = self.engine.inflight(key)
+                if tr is None:  # its transfer failed (slot and pin released): load it again, on demand
+                    failures += 1
+                    if failures > self.opt.io_retries + 1:
+                        raise StorageError(f"expert {key[1]} of MoE layer {key[0]} could not be read from "
+                                           f"{self.store.files[key[0]]} (I/O errors on every attempt)")
+                    if self.cache.reserve(key, protect, last_resort=True) is None:
+                        tr = None
+                    else:
+                        self.cache.pin(key)
+                        tr = self.engine.submit(key, "demand", self.step)
+            if tr is None:
+                self._wait_for_room()
+            elif self.engine.steal(key) is tr:
+                self.engine.execute(tr)  # not started by any worker: load it on this thread
+            else:
+                tr.event.wait()
+
+    def _predict_and_prefetch(self, l: int, hidden: Tensor, ev: LayerEvent, protect: set[Key]) -> None:
+        if self.provider is None or l + 1 >= self.n_layers:
+            return
+        s = self.provider.scores(l, hidden)
+        ev.t_pred = time.perf_counter()
+        if s is None:
+            return
+        if self.opt.record_routing:
+            ev.scores = s.clone()
+        with self.cache.lock:
+            exclude = self.cache.unavailable_mask_of_layer(l + 1)
+            cands = select_prefetch(s, exclude, self.opt.m_max, self.provider.empty_when_zero)
+            ev.candidates = cands
+            for m in self.opt.topm_absent:
+                top = select_prefetch(s, set(), m, self.provider.empty_when_zero)
+                ev.topm_absent[m] = sum(1 for e in top if e not in exclude)
+            if self.opt.policy == "pred0":
+                return
+            for e in cands:
+                key = (l + 1, e)
+                if self.cache.reserve(key, protect, last_resort=False) is None:
+                    break  # no slot can be freed without evicting what this layer needs
+                tr = self.engine.submit(key, "prefetch", self.step)
+                ev.issued.append(e)
+                self._issued[(self.step, l + 1)].append(tr)
+
+    def _release(self, key: Key, slot: int, protect: set[Key]) -> None:
+        self.pool.mark_used(slot)
+        self.cache.unpin(key)
+        protect.discard(key)
+
+    def _compute_loop(self, mod: OffloadedExperts, hidden: Tensor, idx: Tensor, weights: Tensor,
+                      keys: list[Key], j: int, protect: set[Key], ev: LayerEvent) -> Tensor:
+        """transformers' eager expert loop over cached weights (same op order: bit-identical results)."""
+        out = torch.zeros_like(hidden)
+        idx_dev = idx.to(hidden.device)
+        stall = 0.0
+        ev.t_compute = ev.t_ready = time.perf_counter()
+        for i, key in enumerate(keys):
+            t0 = time.perf_counter()
+            waited = j <= i or not self.cache.is_resident(key)
+            while j <= i:
+                self._wait_for_room()
+                j = self._acquire(keys, j, protect)
+            slot = self._ensure(key, protect)
+            t1 = time.perf_counter()
+            if waited:
+                ev.t_ready = t1
+            stall += t1 - t0
+            gu, dn = self.pool.weights(slot)
+            pos, tok = torch.where(idx_dev.t() == key[1])
+            cur = hidden[tok]
+            gate, up = F.linear(cur, gu).chunk(2, dim=-1)
+            h = mod.act_fn(gate) * up
+            y = F.linear(h, dn) * weights[tok, pos, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+            with self.cache.lock:
+                self._release(key, slot, protect)
+                j = self._acquire(keys, j, protect)
+        ev.stall_s = stall
+        return out
+
+    def _compute_batched(self, mod: OffloadedExperts, hidden: Tensor, idx: Tensor, weights: Tensor,
+                         keys: list[Key], j: int, protect: set[Key], ev: LayerEvent) -> Tensor:
+        """One decoding token: gather the K experts' weights, two batched matmuls, fixed-order sum."""
+        t0 = ev.t_compute = time.perf_counter()
+        while j < len(keys):
+            self._wait_for_room()
+            j = self._acquire(keys, j, protect)
+        slots = [self._ensure(k, protect) for k in keys]
+        ev.t_ready = time.perf_counter()
+        ev.stall_s = ev.t_ready - t0
+        st = torch.tensor(slots, device=self.pool.device)
+        gu = self.pool.gate_up.index_select(0, st)            # [E, 2I, H]
+        dn = self.pool.down.index_select(0, st)                # [E, H, I]
+        with self.cache.lock:
+            for k, s in zip(keys, slots):
+                self._release(k, s, protect)
+        x = hidden[0]
+        gate, up = torch.matmul(gu, x).chunk(2, dim=-1)         # [E, I] each
+        h = mod.act_fn(gate) * up
+        y = torch.bmm(dn, h.unsqueeze(-1)).squeeze(-1)          # [E, H]
+        # one token: its top-k ids are distinct, so sorting them gives ``keys``' order
+        w = weights[0, torch.argsort(top_k_index_row(idx, weights.device))]
+        return (y * w[:, None]).sum(dim=0, keepdim=True).to(hidden.dtype)

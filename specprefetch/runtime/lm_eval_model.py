@@ -1,0 +1,203 @@
+"""Accuracy is preserved, shown with a real client: lm-eval generating through the offloaded runtime.
+
+:class:`OffloadedLM` (registered in lm-eval as ``specprefetch-offloaded``) is lm-eval's own ``HFLM`` whose model
+has its experts served by an :class:`~specprefetch.runtime.engine.OffloadedRuntime` (any policy, storage, budget),
+so generation, log-likelihoods and batching are exactly lm-eval's. :func:`evaluate_offloaded` scores the profile's
+local tasks (``results/workloads/{w}/lm_eval/*.yaml``) with the plain model and with every policy, and records
+whether scores and every generated output are identical.
+
+From the command line (after ``import specprefetch.runtime.lm_eval_model`` registers it, e.g. via
+``python -m lm_eval --include_path ...`` in a script)::
+
+    lm_eval --model specprefetch-offloaded \\
+        --model_args config=config/config.yaml,model=tiny-deepseek-vl2,model_dir=results/models/tiny-deepseek-vl2,\\
+store=results/device/store/tiny-deepseek-vl2,policy=specprefetch,m_max=8,\\
+predictor=results/predictors/tiny-deepseek-vl2/specprefetch
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+from pathlib import Path
+from typing import Any
+
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from specprefetch.io import SpecPrefetchError, atomic_path
+from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions
+from specprefetch.runtime.storage import ExpertReader, make_profile
+
+log = logging.getLogger(__name__)
+
+ACCURACY_COLUMNS = ["model", "task", "policy", "metric", "value", "plain_value", "equal_score", "equal_outputs",
+                    "n_samples", "storage", "m_max", "compute_opt", "moe_layer_calls", "expert_loads"]
+
+
+def language_model(model: Any) -> Any:
+    """The causal LM lm-eval talks to (the DeepSeek-VL2 stand-in's ``.language``; others are themselves)."""
+    return getattr(model, "language", model)
+
+
+@register_model("specprefetch-offloaded")
+class OffloadedLM(HFLM):
+    """lm-eval's HFLM over a model whose routed experts come from the offloaded runtime."""
+
+    def __init__(self, config: str | None = None, model: str | None = None, model_dir: str | None = None,
+                 store: str | None = None, policy: str = "off", storage: str = "ram", m_max: int = 4,
+                 predictor: str | None = None, compute_opt: bool = True, capacity: int | None = None,
+                 bundle: Any = None, expert_store: Any = None, provider: Any = None,
+                 device: str = "cpu", batch_size: int = 1, **kwargs: Any) -> None:
+        from specprefetch.runtime.settings import cache_capacity, device_settings
+        from specprefetch.runtime.store import ExpertStore
+
+        if bundle is None:
+            from specprefetch.config import load_config
+            from specprefetch.models import load_bundle
+
+            if not (config and model and store):
+                raise SpecPrefetchError("specprefetch-offloaded needs config=, model= and store= model_args")
+            cfg = load_config(config)
+            bundle = load_bundle(cfg, model, model_dir)
+            settings = device_settings(cfg)
+        else:
+            settings = None
+        if expert_store is None:
+            expert_store = ExpertStore(store)
+        spec = bundle.routing
+        if provider is None and policy not in ("off", "resident", "naive"):
+            provider = _provider_from(policy, predictor, spec, device)
+        if provider is None and policy == "naive":
+            from specprefetch.runtime.priority import PreviousTokenPriority
+
+            provider = PreviousTokenPriority(spec.n_layers, spec.n_experts)
+        if capacity is None:
+            capacity = cache_capacity(settings or {"cache": {"capacity_fraction": 0.125}}, expert_store.total_experts,
+                                      spec.top_k)
+        lm = language_model(bundle.model)
+        self.reader = ExpertReader(expert_store, make_profile(storage, settings or {"charge": "real"},
+                                                              expert_store.layout.payload_bytes))
+        opts = RuntimeOptions(policy=policy, m_max=int(m_max), capacity=int(capacity),
+                              compute_opt=_as_bool(compute_opt))
+        self.runtime = OffloadedRuntime(lm, expert_store, self.reader, opts, provider, spec=spec, device=device)
+        self.runtime.install()
+        self.runtime.reset_run()
+        super().__init__(pretrained=lm, tokenizer=bundle.tokenizer, batch_size=batch_size, device=device, **kwargs)
+
+    def close(self) -> None:
+        """Give the model its experts back and stop the I/O workers."""
+        self.runtime.uninstall()
+        self.runtime.close()
+        self.reader.close()
+
+
+def _as_bool(v: Any) -> bool:
+    return v if isinstance(v, bool) else str(v).strip().lower() in ("1", "true", "yes")
+
+
+def _provider_from(policy: str, predictor: str | None, spec: Any, device: str) -> Any:
+    from specprefetch.runtime.priority import PredictorPriority, fate_from_model
+
+    if predictor:
+        from specprefetch.predictors.base import load_predictor
+
+        return PredictorPriority(load_predictor(predictor), device)
+    if policy == "fate":
+        return PredictorPriority(fate_from_model(spec), device)
+    raise SpecPrefetchError(f"policy {policy!r} needs predictor=<dir of a trained predictor>")
+
+
+def task_paths(cfg: dict[str, Any], tasks_dir: Path, tasks: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """(task names, include paths) of the profile's local lm-eval tasks."""
+    names, paths = [], []
+    for w, wc in cfg["workloads"].items():
+        task = wc.get("lm_eval_task")
+        if not task or (tasks is not None and task not in tasks and w not in tasks):
+            continue
+        d = Path(tasks_dir) / w / "lm_eval"
+        if not (d / f"{task}.yaml").is_file():
+            raise SpecPrefetchError(f"lm-eval task file not found: {d / (task + '.yaml')} (workload {w})")
+        names.append(task)
+        paths.append(str(d))
+    if not names:
+        raise SpecPrefetchError("no lm-eval tasks to evaluate (workloads.*.lm_eval_task)")
+    return names, paths
+
+
+def _evaluate(lm: Any, names: list[str], paths: list[str], limit: int | None, max_gen_toks: int) -> dict[str, Any]:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=paths, include_defaults=False)
+    return simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit, log_samples=True,
+                           gen_kwargs={"max_gen_toks": max_gen_toks}, bootstrap_iters=0, random_seed=0,
+                           numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+
+
+def _scores(res: dict[str, Any]) -> dict[tuple[str, str], float]:
+    out = {}
+    for task, metrics in res["results"].items():
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and not k.endswith("_stderr") and "stderr" not in k and k != "alias":
+                out[(task, k)] = float(v)
+    return out
+
+
+def _outputs(res: dict[str, Any]) -> dict[str, list[Any]]:
+    return {task: [s.get("resps") for s in samples] for task, samples in res.get("samples", {}).items()}
+
+
+def evaluate_offloaded(cfg: dict[str, Any], settings: dict[str, Any], model_name: str, bundle: Any, store: Any,
+                       providers: dict[str, Any], tasks_dir: Path, out_csv: str | Path,
+                       device: str = "cpu") -> list[dict[str, Any]]:
+    """Score the local tasks with the plain model and through the runtime for every policy; write the CSV."""
+    acc = settings["accuracy"]
+    names, paths = task_paths(cfg, tasks_dir, acc.get("tasks"))
+    limit = acc.get("limit")
+    max_gen = int(acc.get("max_gen_toks", settings["max_new_tokens"]))
+    lm_model = language_model(bundle.model)
+    if hasattr(lm_model, "set_experts_implementation"):
+        lm_model.set_experts_implementation("eager")  # transformers' reference loop
+    plain = HFLM(pretrained=lm_model, tokenizer=bundle.tokenizer, batch_size=1, device=device)
+    ref = _evaluate(plain, names, paths, limit, max_gen)
+    ref_scores, ref_out = _scores(ref), _outputs(ref)
+    storage = settings["reference_storage"]
+    m_max = int(settings["m_max"]) if settings["m_max"] != "auto" else 2 * int(bundle.routing.top_k)
+    rows = []
+    for policy in acc["policies"]:
+        key = "specprefetch" if policy == "pred0" else policy
+        provider = providers[key]() if key in providers and policy not in ("off", "resident", "naive") else None
+        lm = OffloadedLM(bundle=bundle, expert_store=store, provider=provider, policy=policy, storage=storage,
+                         m_max=m_max, compute_opt=True, device=device,
+                         capacity=_capacity(settings, store, bundle.routing.top_k))
+        try:
+            res = _evaluate(lm, names, paths, limit, max_gen)
+        finally:
+            lm.close()
+        calls = len(lm.runtime.events)  # evidence the runtime served the experts
+        loads = sum(1 for tr in lm.runtime.engine.log if tr.state == "done")
+        scores, outs = _scores(res), _outputs(res)
+        for (task, metric), v in sorted(scores.items()):
+            same_out = outs.get(task) == ref_out.get(task)
+            rows.append({"model": model_name, "task": task, "policy": policy, "metric": metric, "value": v,
+                         "plain_value": ref_scores.get((task, metric)), "equal_score": v == ref_scores.get((task, metric)),
+                         "equal_outputs": same_out, "n_samples": len(outs.get(task) or []), "storage": storage,
+                         "m_max": m_max, "compute_opt": True, "moe_layer_calls": calls, "expert_loads": loads})
+            if not same_out or v != ref_scores.get((task, metric)):
+                log.error("%s %s %s: offloaded outputs differ from the plain model", model_name, task, policy)
+    with atomic_path(out_csv) as tmp:
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=ACCURACY_COLUMNS, lineterminator="\n")
+            w.writeheader()
+            w.writerows(rows)
+    return rows
+
+
+def _capacity(settings: dict[str, Any], store: Any, top_k: int) -> int:
+    from specprefetch.runtime.settings import cache_capacity
+
+    return cache_capacity(settings, store.total_experts, int(top_k))
+
+
+__all__ = ["ACCURACY_COLUMNS", "OffloadedLM", "evaluate_offloaded"]

@@ -1,0 +1,143 @@
+"""Next-layer expert priorities at run time, and the window-aware prefetch selection (paper §3.3).
+
+At MoE layer ``l`` the runtime hands the router input ``x^l`` ([T, D]) to a :class:`PriorityProvider`, which
+returns the priority vector ``s^{l+1}`` over the ``n`` experts of layer ``l+1`` (batch priorities: the sum of
+the per-token distributions, §3.2). :func:`select_prefetch` then takes the ``M_max`` best experts that are
+neither available nor in flight, in descending priority.
+
+Providers: a trained predictor of ``specprefetch.predictors`` (SpecPrefetch adapters, FATE, and any method that
+implements ``layer_token_scores(l, x)``) evaluated one layer at a time, and Naive Prefetch (the experts the
+previous token used at layer ``l+1``, ranked by their routing weight), which needs the runtime's own history.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specprefetch.io import SpecPrefetchError
+
+
+class PriorityError(SpecPrefetchError):
+    """A predictor cannot be evaluated layer by layer at run time."""
+
+
+class PriorityProvider:
+    """Base: no predictions (OFF and the all-resident bound)."""
+
+    name = "none"
+    empty_when_zero = False
+
+    def reset(self) -> None:
+        """Forget per-sequence state (a new prompt starts)."""
+
+    def scores(self, layer: int, x: Tensor) -> Tensor | None:
+        """Priorities ``[n]`` (float32, CPU) for layer ``layer + 1`` from router input ``x`` of ``layer``."""
+        return None
+
+    def observe(self, layer: int, top_k_index: Tensor, top_k_weights: Tensor) -> None:
+        """The native routing of ``layer`` for the current step (after it executed)."""
+
+
+class PredictorPriority(PriorityProvider):
+    """A ``specprefetch.predictors`` predictor evaluated on one layer's router input."""
+
+    def __init__(self, predictor: Any, device: torch.device | str = "cpu") -> None:
+        self.pred = predictor.to(device).eval()
+        self.name = str(getattr(predictor, "method", type(predictor).__name__))
+        self.empty_when_zero = bool(getattr(predictor, "empty_when_zero", False))
+        self.n_pairs = int(predictor.dims.n_pairs)
+        custom = getattr(predictor, "layer_token_scores", None)
+        if callable(custom):
+            self._token_scores = custom
+        elif self.name == "specprefetch":
+            self._token_scores = self._specprefetch
+        elif self.name == "fate":
+            self._token_scores = self._fate
+        else:
+            raise PriorityError(f"predictor method {self.name!r} cannot be evaluated layer by layer at run time "
+                                "(it needs a layer_token_scores(l, x) method)")
+
+    def _specprefetch(self, layer: int, x: Tensor) -> Tensor:
+        p = self.pred
+        xa = x.to(p.A.dtype)
+        return F.softmax(((xa @ p.A[layer].T) @ p.B[layer].T).float(), dim=-1)
+
+    def _fate(self, layer: int, x: Tensor) -> Tensor:
+        p = self.pred
+        z = F.linear(x.float(), p.weight[layer], p.bias[layer])
+        if p.dims.scoring == "sigmoid":
+            return torch.sigmoid(z) + p.correction_bias[layer]
+        return F.softmax(z, dim=-1)
+
+    @torch.no_grad()
+    def scores(self, layer: int, x: Tensor) -> Tensor | None:
+        if layer >= self.n_pairs:
+            return None
+        s = self._token_scores(layer, x.reshape(-1, x.shape[-1])).sum(dim=0)
+        return s.float().cpu()
+
+
+class PreviousTokenPriority(PriorityProvider):
+    """Naive Prefetch: the previous token's experts at layer l+1, ranked by their routing weight."""
+
+    name = "previous_token"
+    empty_when_zero = True
+
+    def __init__(self, n_layers: int, n_experts: int) -> None:
+        self.n_layers = n_layers
+        self.n_experts = n_experts
+        self.reset()
+
+    def reset(self) -> None:
+        self.last: list[Tensor | None] = [None] * self.n_layers
+
+    def scores(self, layer: int, x: Tensor) -> Tensor | None:
+        if layer + 1 >= self.n_layers:
+            return None
+        return self.last[layer + 1]
+
+    def observe(self, layer: int, top_k_index: Tensor, top_k_weights: Tensor) -> None:
+        idx = top_k_index[-1].reshape(-1).long().cpu()   # the step's last token is the "previous" one next step
+        w = top_k_weights[-1].reshape(-1).float().cpu()
+        s = torch.zeros(self.n_experts)
+        # a positive score for every executed expert, ordered by its routing weight
+        s[idx] = 1.0 + w.clamp(min=0) / (1.0 + w.clamp(min=0).max())
+        self.last[layer] = s
+
+
+def select_prefetch(scores: Tensor, exclude: set[int], m_max: int, empty_when_zero: bool = False) -> list[int]:
+    """P^{l+1} = Top_{M_max} of s over experts not available nor in flight, in descending priority.
+
+    Ties are broken toward the lower expert id (a stable order), so the runtime and the simulator agree.
+    """
+    if m_max <= 0 or scores is None:
+        return []
+    s = scores.detach().to("cpu", torch.float64)
+    if exclude:
+        s = s.clone()
+        s[list(exclude)] = float("-inf")
+    k = min(m_max, s.numel())
+    vals, idx = torch.sort(s, descending=True, stable=True)
+    out = []
+    for v, e in zip(vals[:k].tolist(), idx[:k].tolist()):
+        if v == float("-inf") or (empty_when_zero and v <= 0.0):
+            break
+        out.append(e)
+    return out
+
+
+def fate_from_model(spec: Any) -> Any:
+    """A FATE predictor built from a model's own gates (training-free, no trace needed)."""
+    from specprefetch.predictors.base import PredictorDims, build_predictor
+
+    dims = PredictorDims(n_layers=spec.n_layers, hidden_size=spec.hidden_size, n_experts=spec.n_experts,
+                         top_k=spec.top_k, scoring=spec.scoring, arch=spec.arch)
+    pred = build_predictor("fate", None, dims)
+    routers = spec.router_tensors()
+    routers = {k: v for k, v in routers.items()}
+    pred.set_gates(routers)
+    return pred

@@ -1,0 +1,169 @@
+"""Using the simulator: validation against measured runs, and estimates for platforms that are not here.
+
+``validate_simulator`` replays every recorded benchmark run (its routing and priorities, saved by
+``bench_runtime``) on this machine's profiled compute and storage model, and compares throughput, ReadyRecall and
+the counters with what the runtime measured (``sim_validation.csv``: one row per run and metric, with the relative
+error).
+
+``simulate_platform`` replays a model's routing trace (``results/traces/{model}/{workload}``) with the trained
+predictors' priorities on a platform profile (:mod:`specprefetch.runtime.platforms`) and writes runs in the
+``runs.csv`` format with ``source = simulated``.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from specprefetch.io import SpecPrefetchError, atomic_path
+from specprefetch.runtime.bench import RUN_COLUMNS, plan_experiments, write_runs_csv
+from specprefetch.runtime.platforms import calibrate_bandwidth, compute_profile_of, nvme_profile, platform_profile
+from specprefetch.runtime.simulator import (
+    ComputeProfile,
+    SimSequence,
+    SimStep,
+    relative_error,
+    sequences_from_trace,
+    simulate,
+)
+from specprefetch.runtime.storage import EMULATED, StorageProfile, make_profile
+
+log = logging.getLogger(__name__)
+
+VALIDATION_COLUMNS = ["platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "metric",
+                      "measured", "simulated", "rel_error"]
+METRICS = ("tokens_per_s", "ready_recall", "hits", "misses", "prefetched", "wasted", "stall_ms")
+
+
+def local_storage(profile: dict[str, Any], storage: str, settings: dict[str, Any]) -> tuple[StorageProfile, float | None, float]:
+    """(device model, fixed transfer s, per-transfer overhead s) of ``storage`` as profiled on this machine."""
+    payload = int(profile["payload_bytes"])
+    overhead = float(profile.get("emulation_overshoot_ms", 0.0)) * 1e-3
+    if storage in EMULATED:
+        return make_profile(storage, settings, payload, float(profile["emulation_scale"])), None, overhead
+    if storage == "nvme_cold":
+        phys = profile.get("physical_model")
+        if not phys:
+            raise SpecPrefetchError("profile.json has no physical_model: nvme_cold was not profiled")
+        return (StorageProfile("nvme_cold", "emulated", float(phys["bandwidth_mbps"]), float(phys["latency_ms"]),
+                               payload), None, 0.0)
+    fixed = float(profile["transfer_ms"].get(storage, {}).get("transfer_ms", 0.0)) * 1e-3
+    return StorageProfile(storage, "ram"), fixed, 0.0
+
+
+def sequences_from_record(events: Sequence[dict[str, Any]], n_layers: int) -> list[SimSequence]:
+    """``bench_runtime``'s recorded events -> simulator sequences (a multi-token step starts a sequence)."""
+    steps: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
+    for ev in events:
+        steps[int(ev["step"])][int(ev["layer"])] = ev
+    seqs: list[SimSequence] = []
+    for s in sorted(steps):
+        layers = steps[s]
+        if len(layers) != n_layers:
+            raise SpecPrefetchError(f"recorded step {s} has {len(layers)} layers, expected {n_layers}")
+        st = SimStep(topk=[layers[l]["topk"].long().tolist() for l in range(n_layers)],
+                     scores=[layers[l]["scores"] for l in range(n_layers)])
+        if st.n_tokens > 1 or not seqs:
+            seqs.append(SimSequence([]))
+        seqs[-1].steps.append(st)
+    return seqs
+
+
+def validate_simulator(record: dict[str, Any], profile: dict[str, Any], settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """Simulate every recorded run with this machine's profile; rows of measured vs simulated per metric."""
+    n_layers, n_experts, top_k = int(profile["n_layers"]), int(profile["n_experts"]), int(profile["top_k"])
+    rows = []
+    for key, run in tqdm(sorted(record["runs"].items()), desc="simulator validation", disable=None):
+        m = run["row"]
+        seqs = sequences_from_record(run["events"], n_layers)
+        storage, fixed, overhead = local_storage(profile, m["storage"], settings)
+        compute = ComputeProfile.from_profile(profile, bool(m["compute_opt"]), overhead)
+        res = simulate(seqs, m["policy"], int(m["m_max"]), int(m["capacity_experts"]), n_experts, top_k, compute,
+                       storage, int(profile["io_workers"]), bool(m["compute_opt"]), fixed_transfer_s=fixed)
+        sim = {"tokens_per_s": res.tokens_per_s, **{k: getattr(res.stats, k) for k in METRICS[1:]}}
+        for metric in METRICS:
+            rows.append({**{k: m[k] for k in VALIDATION_COLUMNS[:7]}, "metric": metric,
+                         "measured": float(m[metric]), "simulated": float(sim[metric]),
+                         "rel_error": relative_error(float(sim[metric]), float(m[metric]))})
+    return rows
+
+
+def summarize_validation(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Mean absolute relative error per metric (NaNs, e.g. zero measured counts, skipped)."""
+    out = {}
+    for metric in METRICS:
+        errs = [abs(r["rel_error"]) for r in rows if r["metric"] == metric and math.isfinite(r["rel_error"])]
+        out[metric] = statistics.fmean(errs) if errs else float("nan")
+    return out
+
+
+def simulate_platform(platform: str, model: str, arch: str, trace_reader: Any,
+                      providers: dict[str, Callable[[], Any]], settings: dict[str, Any],
+                      experiments: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Estimate the platform's runs (runs.csv rows, source=simulated) from a routing trace; returns (rows, info)."""
+    p = platform_profile(platform)
+    if arch not in p["archs"]:
+        log.info("%s: platform %s describes %s, not %s; skipped", model, platform, "/".join(p["archs"]), arch)
+        return [], {"skipped": f"arch {arch}"}
+    n_layers, n_experts, top_k = trace_reader.n_layers, trace_reader.n_experts, trace_reader.top_k
+    max_samples = int(settings["simulator"]["max_samples"])
+    seqs_by_policy: dict[str, list[SimSequence]] = {}
+    base = sequences_from_trace(trace_reader, None, max_samples)
+    for pol in ("specprefetch", "fate"):
+        if pol in providers:
+            seqs_by_policy[pol] = sequences_from_trace(trace_reader, providers[pol](), max_samples)
+    seqs_by_policy["pred0"] = seqs_by_policy.get("specprefetch", base)
+    from specprefetch.runtime.settings import cache_capacity
+
+    capacity = cache_capacity(settings, n_layers * n_experts, top_k)
+    compute = compute_profile_of(p, n_layers)
+    bw = calibrate_bandwidth(p, base, capacity, n_experts, top_k, compute)
+    log.info("%s: NVMe bandwidth fitted to OFF = %.3f tok/s: %.0f MB/s", platform, p["off_tokens_per_s"], bw)
+    m_max = int(p["m_max"])
+    s = {**settings, "reference_storage": "nvme_cold"}
+    plan = plan_experiments(s, m_max, [e for e in experiments if e != "component"])
+    rows = []
+    for exp, configs in plan.items():
+        for cfg in configs:
+            if cfg.storage == "nvme_cold":
+                storage = nvme_profile(p, bw)
+            elif cfg.storage in EMULATED:
+                storage = make_profile(cfg.storage, {**settings, "charge": "paper", "paper_expert_mb": p["expert_mb"]})
+            else:
+                continue  # no RAM-offload figure for the phone
+            seqs = seqs_by_policy.get(cfg.policy, base)
+            res = simulate(seqs, cfg.policy, cfg.m_max, capacity, n_experts, top_k, compute, storage,
+                           p["io_workers"], True)
+            st = res.stats
+            rows.append({"platform": platform, "model": model, "experiment": exp, "policy": cfg.policy,
+                         "storage": cfg.storage, "m_max": cfg.m_max if cfg.policy not in ("off", "resident") else 0,
+                         "compute_opt": True, "repeat": 0, "tokens_per_s": res.tokens_per_s,
+                         "ready_recall": st.ready_recall, "n_tokens": res.n_tokens, "hits": st.hits,
+                         "misses": st.misses, "prefetched": st.prefetched, "wasted": st.wasted,
+                         "stall_ms": st.stall_ms, "source": "simulated", "inflight": st.inflight,
+                         "cancelled": st.cancelled, "demand_loads": st.demand_loads, "io_errors": 0,
+                         "peak_cache_experts": st.peak_cache_experts, "capacity_experts": capacity,
+                         "charge": "paper"})
+    return rows, {"platform": platform, "nvme_bandwidth_mbps": bw, "capacity": capacity, "m_max": m_max,
+                  "n_sequences": len(base), "compute": compute.__dict__}
+
+
+def write_validation_csv(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=VALIDATION_COLUMNS, lineterminator="\n")
+            w.writeheader()
+            for r in rows:
+                w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
+__all__ = ["RUN_COLUMNS", "local_storage", "sequences_from_record", "simulate_platform", "summarize_validation",
+           "validate_simulator", "write_runs_csv", "write_validation_csv"]

@@ -1,0 +1,275 @@
+"""Background expert transfers: a prioritised queue served by I/O worker threads that overlap with compute.
+
+Demand loads (an executing layer needs the expert now) always go before prefetches; prefetches keep the
+order they were issued in (descending predicted priority). A prefetch that has not started when its target
+layer begins and is not needed there is cancelled; one that is needed is promoted to a demand load.
+
+Only prefetches wake a sleeping worker. A demand load that no (already awake) worker has started when the
+executing layer needs it is performed by the compute thread itself (:meth:`TransferEngine.steal`): the layer
+blocks on it either way, and on-demand loading then costs no thread hand-off, as in a plain on-demand runtime.
+
+A worker reads the record from storage (:class:`~specprefetch.runtime.storage.ExpertReader`) into the cache
+slot (CPU), or into a pinned staging buffer and then, on the worker's own CUDA stream, into the GPU slot
+(CUDA); the transfer is complete when the copy has finished. A failed read is retried ``retries`` times;
+a transfer that still fails releases its slot, so the expert is loaded again on demand when it is needed and
+a wrong or partial expert is never used.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specprefetch.runtime.cache import ExpertCache, Key, SlotPool
+from specprefetch.runtime.storage import ExpertReader
+
+log = logging.getLogger(__name__)
+
+DEMAND, PREFETCH = 0, 1
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One expert transfer and its timeline (perf_counter seconds)."""
+
+    key: Key
+    kind: str                 # "demand" or "prefetch" (as issued)
+    step: int
+    seq: int
+    cls: int = PREFETCH       # DEMAND after a promotion
+    state: str = "pending"    # pending, running, done, failed, cancelled
+    t_submit: float = 0.0
+    t_start: float = 0.0
+    t_end: float = 0.0
+    attempts: int = 0
+    error: str | None = None
+    inline: bool = False      # performed by the compute thread (a stolen demand load)
+    event: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("done", "failed", "cancelled")
+
+
+class TransferEngine:
+    """The I/O worker pool. All queue/cache mutations happen under ``cache.lock`` (one lock, no ordering issues)."""
+
+    def __init__(self, reader: ExpertReader, cache: ExpertCache, pool: SlotPool, n_workers: int = 4,
+                 retries: int = 2) -> None:
+        self.reader = reader
+        self.cache = cache
+        self.pool = pool
+        self.retries = int(retries)
+        self.cond = threading.Condition(cache.lock)       # transfers finished (waiters: compute thread)
+        self.work = threading.Condition(cache.lock)       # work queued (waiters: idle workers)
+        self.pending: list[Transfer] = []
+        self.active: dict[Key, Transfer] = {}
+        self.log: list[Transfer] = []
+        self.io_errors = 0
+        self._seq = itertools.count()
+        self._stop = False
+        self.cuda = pool.device.type == "cuda"
+        self._inline_staging: torch.Tensor | None = None
+        self.workers = [threading.Thread(target=self._work, args=(i,), name=f"expert-io-{i}", daemon=True)
+                        for i in range(max(1, int(n_workers)))]
+        for w in self.workers:
+            w.start()
+
+    # -------------------------------------------------------------- control (caller holds no lock or cache.lock)
+    def submit(self, key: Key, kind: str, step: int) -> Transfer:
+        """Queue a transfer of ``key`` into its reserved slot (the caller reserved it under ``cache.lock``)."""
+        with self.cond:
+            tr = Transfer(key, kind, step, next(self._seq), DEMAND if kind == "demand" else PREFETCH,
+                          t_submit=time.perf_counter())
+            self.pending.append(tr)
+            self.active[key] = tr
+            self.log.append(tr)
+            if kind != "demand":
+                self.work.notify()
+            return tr
+
+    def inflight(self, key: Key) -> Transfer | None:
+        with self.cond:
+            return self.active.get(key)
+
+    def promote(self, key: Key) -> None:
+        with self.cond:
+            tr = self.active.get(key)
+            if tr is not None and tr.cls != DEMAND:
+                tr.cls = DEMAND
+
+    def cancel_pending(self, layer: int, keep: set[int]) -> list[Transfer]:
+        """Cancel queued (not started) prefetches for ``layer`` whose expert is not in ``keep``."""
+        out = []
+        with self.cond:
+            for tr in list(self.pending):
+                if tr.key[0] == layer and tr.cls == PREFETCH and tr.key[1] not in keep:
+                    self.pending.remove(tr)
+                    self._finish(tr, "cancelled", None)
+                    out.append(tr)
+        return out
+
+    def steal(self, key: Key) -> Transfer | None:
+        """Claim the not-yet-started transfer of ``key`` for the calling thread (None if none is pending)."""
+        with self.cond:
+            tr = self.active.get(key)
+            if tr is None or tr.state != "pending":
+                return None
+            self.pending.remove(tr)
+            tr.state = "running"
+            tr.t_start = tr.t_start or time.perf_counter()
+            tr.inline = True
+            return tr
+
+    def execute(self, tr: Transfer) -> None:
+        """Perform a claimed transfer on the calling thread (compute stream on CUDA), retrying failed reads."""
+        slot = self.cache.slot(tr.key)
+        error: str | None = None
+        while True:
+            try:
+                self._copy_inline(tr.key, slot)
+                error = None
+            except OSError as exc:
+                error = str(exc)
+            with self.cond:
+                tr.attempts += 1
+                if error is None:
+                    self._finish(tr, "done", None)
+                    return
+                self.io_errors += 1
+                if tr.attempts > self.retries:
+                    log.warning("expert %s: transfer failed after %d attempts: %s", tr.key, tr.attempts, error)
+                    self._finish(tr, "failed", error)
+                    return
+
+    def wait_any(self, timeout: float = 5.0) -> bool:
+        """Make progress on the queue: wait until a running transfer finishes, or, if none is running, perform
+        the best queued one on this thread. False if nothing is queued or running."""
+        with self.cond:
+            if not self.active:
+                return False
+            running = any(tr.state == "running" for tr in self.active.values())
+            if running:
+                self.cond.wait(timeout)
+                return True
+            tr = min(self.pending, key=lambda t: (t.cls, t.seq))
+        if self.steal(tr.key) is tr:
+            self.execute(tr)
+        return True
+
+    def drain(self) -> None:
+        """Wait until no transfer is queued or running (the simulator-matching synchronous mode)."""
+        while self.wait_any(1.0):
+            pass
+
+    def shutdown(self) -> None:
+        with self.cond:
+            self._stop = True
+            for tr in self.pending:
+                self._finish(tr, "cancelled", None)
+            self.pending.clear()
+            self.cond.notify_all()
+            self.work.notify_all()
+        for w in self.workers:
+            w.join(timeout=10)
+
+    def reset_log(self) -> None:
+        with self.cond:
+            self.log = [tr for tr in self.log if not tr.finished]
+            self.io_errors = 0
+
+    # -------------------------------------------------------------- workers
+    def _finish(self, tr: Transfer, state: str, error: str | None) -> None:
+        """Under the lock: settle a transfer and its slot, wake waiters."""
+        tr.state = state
+        tr.error = error
+        tr.t_end = time.perf_counter()
+        if self.active.get(tr.key) is tr:
+            del self.active[tr.key]
+        if state == "done":
+            self.cache.fill(tr.key)
+        else:
+            self.cache.cancel(tr.key)
+        tr.event.set()
+        self.cond.notify_all()
+
+    def _next(self) -> Transfer | None:
+        with self.cond:
+            while not self.pending and not self._stop:
+                self.work.wait()
+            if self._stop:
+                return None
+            tr = min(self.pending, key=lambda t: (t.cls, t.seq))
+            self.pending.remove(tr)
+            tr.state = "running"
+            if not tr.t_start:
+                tr.t_start = time.perf_counter()
+            return tr
+
+    def _work(self, index: int) -> None:
+        staging = stream = None
+        if self.cuda:
+            torch.cuda.set_device(self.pool.device)
+            staging = torch.empty(self.pool.layout.record_bytes, dtype=torch.uint8).pin_memory()
+            stream = torch.cuda.Stream(device=self.pool.device)
+        while True:
+            tr = self._next()
+            if tr is None:
+                return
+            slot = self.cache.slot(tr.key)
+            error: str | None = None
+            try:
+                self._copy(tr.key, slot, staging, stream)
+            except OSError as exc:
+                error = str(exc)
+            with self.cond:
+                tr.attempts += 1
+                if error is None:
+                    self._finish(tr, "done", None)
+                    continue
+                self.io_errors += 1
+                if tr.attempts <= self.retries and not self._stop:
+                    log.debug("retrying expert %s after I/O error: %s", tr.key, error)
+                    tr.state = "pending"
+                    self.pending.append(tr)
+                    self.work.notify()
+                else:
+                    log.warning("expert %s: transfer failed after %d attempts: %s", tr.key, tr.attempts, error)
+                    self._finish(tr, "failed", error)
+
+    def _copy_inline(self, key: Key, slot: int) -> None:
+        """The compute thread's own load: on CUDA a synchronous copy on the current (compute) stream."""
+        layer, expert = key
+        dest = self.pool.record(slot)
+        if not self.cuda:
+            self.reader.read(layer, expert, dest)
+            return
+        src = self.reader.source(layer, expert)
+        if src is None:
+            if self._inline_staging is None:
+                self._inline_staging = torch.empty(self.pool.layout.record_bytes, dtype=torch.uint8).pin_memory()
+            self.reader.read(layer, expert, self._inline_staging)
+            src = self._inline_staging
+        dest.copy_(src)
+
+    def _copy(self, key: Key, slot: int, staging: torch.Tensor | None, stream: torch.cuda.Stream | None) -> None:
+        layer, expert = key
+        dest = self.pool.record(slot)
+        if not self.cuda:
+            self.reader.read(layer, expert, dest)
+            return
+        src = self.reader.source(layer, expert)
+        if src is None:
+            self.reader.read(layer, expert, staging)
+            src = staging
+        with torch.cuda.stream(stream):
+            ev = self.pool.events[slot]
+            if ev is not None:
+                stream.wait_event(ev)
+            dest.copy_(src, non_blocking=True)
+        stream.synchronize()

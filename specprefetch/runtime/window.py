@@ -1,0 +1,341 @@
+"""Window profiling (paper §3.3, Figure 1): W_l, the per-expert transfer time, M_max, and per-layer latency.
+
+Measured on the current platform with the real runtime:
+
+- per-expert transfer time of every storage profile: isolated loads (one at a time, cold for ``nvme_cold``),
+  plus the concurrent throughput of the physical disk (the simulator's device model);
+- the prefetch window ``W_l = t_exec(l+1) - t_pred(l)`` per decoding event, with every expert resident and the
+  predictor running (the compute window, free of stalls);
+- event-level candidate demand (Figure 1b): with the bounded cache on the reference storage, the number of the
+  top-M predicted experts not available at ``t_pred`` times the per-expert transfer time, paired with the
+  same event's window (greedy decoding makes both runs decode the same tokens);
+- ``M_max = max(1, floor(mean_l W_l / t_transfer))`` on the reference storage (or the configured integer);
+- per-layer latency by component (attention, router, expert_load, moe_compute, other) with all experts
+  resident and with on-demand loading (Figure 1a), from forward hooks that time the modules without
+  changing them;
+- the compute profile of the trace-driven simulator (per-layer durations, with and without compute_opt).
+
+Outputs (``profile_window``): ``profile.json``, ``window.csv``, ``window_events.csv``, ``latency.csv``.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import statistics
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specprefetch.io import atomic_path, provenance, write_json_atomic
+from specprefetch.runtime.session import Harness, RunResult
+from specprefetch.runtime.storage import EMULATED, ExpertReader, make_profile, measure_transfer_ms
+from specprefetch.runtime.timeline import LayerEvent
+
+log = logging.getLogger(__name__)
+
+WINDOW_COLUMNS = ["platform", "model", "layer", "window_ms", "transfer_ms", "m_max"]
+EVENT_COLUMNS = ["platform", "model", "layer", "M", "demand_ms", "window_ms"]
+LATENCY_COLUMNS = ["platform", "model", "mode", "layer", "component", "ms"]
+COMPONENTS = ("attention", "router", "expert_load", "moe_compute", "other")
+
+
+# ------------------------------------------------------------------------------------------ timing hooks
+class LayerTimer:
+    """Forward hooks timing each MoE layer's decoder layer, attention, router and shared experts per step."""
+
+    def __init__(self, model: nn.Module, blocks: list[Any], sync: bool = False) -> None:
+        self.sync = sync
+        self.rt: Any = None
+        self.step = -1
+        self.times: dict[tuple[int, int, str], float] = defaultdict(float)
+        self._t0: dict[int, float] = {}
+        self.handles: list[Any] = []
+        parents: dict[int, nn.Module] = {}
+        for _, module in model.named_modules():
+            for child in module.children():
+                parents.setdefault(id(child), module)
+        for b in blocks:
+            layer = parents.get(id(b.block))
+            parts = {"layer": layer, "attention": getattr(layer, "self_attn", None), "router": b.gate,
+                     "shared": getattr(b.block, "shared_experts", None)}
+            for name, mod in parts.items():
+                if isinstance(mod, nn.Module):
+                    self._hook(mod, b.ordinal, name)
+
+    def _now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _hook(self, mod: nn.Module, ordinal: int, name: str) -> None:
+        def pre(_m: nn.Module, _a: Any) -> None:
+            if name == "layer" and ordinal == 0:
+                self.step += 1  # counts forwards exactly as the runtime's step (first MoE layer starts one)
+            self._t0[id(mod)] = self._now()
+
+        def post(_m: nn.Module, _a: Any, _o: Any) -> None:
+            t = self._now()
+            self.times[(self.step, ordinal, name)] += t - self._t0.pop(id(mod), t)
+
+        self.handles.append(mod.register_forward_pre_hook(pre))
+        self.handles.append(mod.register_forward_hook(post))
+
+    def attach(self, rt: Any) -> None:
+        """Start of a run (called with its runtime): steps are counted from -1, as the runtime counts them."""
+        self.rt = rt
+        self.step = -1
+        self.times.clear()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def components(self, events: list[LayerEvent]) -> dict[tuple[int, str], list[float]]:
+        """Per (layer, component) the ms of every decoding event."""
+        out: dict[tuple[int, str], list[float]] = defaultdict(list)
+        for ev in events:
+            if ev.n_tokens != 1:
+                continue
+            key = (ev.step, ev.layer)
+            total = self.times.get((*key, "layer"))
+            if total is None:
+                continue
+            attn = self.times.get((*key, "attention"), 0.0)
+            router = self.times.get((*key, "router"), 0.0)
+            load = ev.stall
+            moe = max(0.0, ev.t_done - ev.t_ready) + self.times.get((*key, "shared"), 0.0)
+            other = max(0.0, total - attn - router - load - moe)
+            for name, v in zip(COMPONENTS, (attn, router, load, moe, other)):
+                out[(ev.layer, name)].append(v * 1e3)
+        return out
+
+
+# ------------------------------------------------------------------------------------------ measurements
+def concurrent_throughput(reader: ExpertReader, n_workers: int, n: int = 64, seed: int = 0) -> float:
+    """Bytes/s of ``n`` random expert loads issued by ``n_workers`` threads at once (cold for nvme_cold)."""
+    import random
+
+    rng = random.Random(seed)
+    st = reader.store
+    keys = [(rng.randrange(st.n_layers), rng.randrange(st.n_experts)) for _ in range(n)]
+    reader.prepare_run()
+    lock = threading.Lock()
+
+    def work() -> None:
+        buf = torch.empty(st.record_bytes, dtype=torch.uint8)
+        while True:
+            with lock:
+                if not keys:
+                    return
+                layer, expert = keys.pop()
+            reader.read(layer, expert, buf)
+
+    threads = [threading.Thread(target=work) for _ in range(max(1, n_workers))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return n * st.layout.payload_bytes / (time.perf_counter() - t0)
+
+
+def transfer_table(h: Harness, storages: list[str], n: int, scale: float) -> dict[str, dict[str, float]]:
+    """Per storage: the isolated per-expert transfer ms, measured (physical disk, RAM) or modelled (emulated)."""
+    out = {}
+    for s in dict.fromkeys([*storages, h.s["reference_storage"], "ram"]):
+        prof = make_profile(s, h.s, h.store.layout.payload_bytes, scale)
+        if prof.emulated:
+            out[s] = {"transfer_ms": prof.transfer_s() * 1e3, "source": "model"}
+            continue
+        ms = measure_transfer_ms(h.reader(s), n=n)
+        out[s] = {"transfer_ms": statistics.fmean(ms), "transfer_ms_median": statistics.median(ms),
+                  "source": "measured"}
+    return out
+
+
+def emulation_overshoot_ms(h: Harness, scale: float, n: int = 16) -> float:
+    """Mean extra time of an emulated load over its model (sleep granularity, thread hand-off)."""
+    prof = make_profile("nvme", h.s, h.store.layout.payload_bytes, scale)
+    reader = ExpertReader(h.store, prof)
+    try:
+        ms = measure_transfer_ms(reader, n=n)
+    finally:
+        reader.close()
+    return max(0.0, statistics.fmean(ms) - prof.transfer_s() * 1e3)
+
+
+def physical_device_model(h: Harness, isolated_ms: float) -> dict[str, float]:
+    """Fit (latency, bandwidth) of the physical disk for the simulator from isolated and concurrent loads."""
+    reader = h.reader("nvme_cold")
+    bw = concurrent_throughput(reader, int(h.s["io_workers"]))
+    payload = h.store.layout.payload_bytes
+    latency_ms = max(0.0, isolated_ms - payload / bw * 1e3)
+    return {"bandwidth_mbps": bw / 1e6, "latency_ms": latency_ms, "payload_bytes": payload}
+
+
+def per_layer_windows(events: list[LayerEvent]) -> dict[tuple[int, int], float]:
+    """W_l per decoding event, keyed (step, l): t_exec(l+1) - t_pred(l), in ms."""
+    by = {(ev.step, ev.layer): ev for ev in events if ev.n_tokens == 1}
+    out = {}
+    for (step, layer), ev in by.items():
+        nxt = by.get((step, layer + 1))
+        if nxt is not None and ev.t_pred is not None:
+            out[(step, layer)] = (nxt.t_exec - ev.t_pred) * 1e3
+    return out
+
+
+def compute_profile(res: RunResult, n_layers: int) -> dict[str, Any]:
+    """Mean per-layer durations (s) of a run with every expert resident: the simulator's compute model."""
+    evs = [ev for ev in res.events if ev.n_tokens == 1]
+    by = {(ev.step, ev.layer): ev for ev in evs}
+    book, pred, post, moe, gap = (defaultdict(list) for _ in range(5))
+    head = []
+    for (step, layer), ev in by.items():
+        if ev.t_pred is not None:
+            pred[layer].append(ev.t_pred - ev.t_exec)
+            post[layer].append(ev.t_compute - ev.t_pred)
+        book[layer].append(ev.t_compute - ev.t_exec)
+        moe[layer].append(ev.t_done - ev.t_compute - ev.stall_s)
+        nxt = by.get((step, layer + 1))
+        if nxt is not None:
+            gap[layer].append(nxt.t_exec - ev.t_done)
+        if layer == n_layers - 1:
+            first = by.get((step + 1, 0))
+            if first is not None:
+                head.append(first.t_exec - ev.t_done)
+
+    def mean(d: dict[int, list[float]], layer: int) -> float:
+        return statistics.fmean(d[layer]) if d.get(layer) else 0.0
+
+    return {
+        "book_s": [mean(book, i) for i in range(n_layers)],
+        "pred_s": [mean(pred, i) for i in range(n_layers)],
+        "post_pred_s": [mean(post, i) for i in range(n_layers)],
+        "moe_s": [mean(moe, i) for i in range(n_layers)],
+        "gap_s": [mean(gap, i) for i in range(n_layers)],
+        "head_s": statistics.fmean(head) if head else 0.0,
+    }
+
+
+def derive_m_max(window_ms: float, transfer_ms: float, n_experts: int) -> int:
+    if transfer_ms <= 0 or not math.isfinite(window_ms):
+        return n_experts
+    return int(min(n_experts, max(1, math.floor(window_ms / transfer_ms))))
+
+
+# ------------------------------------------------------------------------------------------ the rule
+def profile_window(h: Harness, model_name: str, platform: str, out_dir: str | Path,
+                   config_fragment: Any = None) -> dict[str, Any]:
+    """Measure everything above and write the four outputs into ``out_dir`` (atomically)."""
+    s = h.s
+    wcfg = s["window"]
+    ref = s["reference_storage"]
+    n_layers, n_experts = len(h.blocks), h.store.n_experts
+    prompts = h.prompts[: int(wcfg["n_prompts"])]
+    demand_m = tuple(int(m) for m in wcfg["demand_m"])
+    has_pred = "specprefetch" in h.providers
+
+    # warm-up (allocator, lazy inits), not recorded
+    h.run("resident", "ram", prompts=prompts[:1], max_new_tokens=4)
+
+    log.info("timing resident and on-demand layers")
+    timer = LayerTimer(h.model, h.blocks, sync=h.device.type == "cuda")
+    try:
+        resident = h.run("resident", "ram", compute_opt=True, prompts=prompts, on_runtime=timer.attach)
+        lat_res = timer.components(resident.events)
+        timer.times.clear()
+        capacity = h.capacity
+        on_demand = h.run("off", ref, compute_opt=True, prompts=prompts, on_runtime=timer.attach)
+        lat_dem = timer.components(on_demand.events)
+    finally:
+        timer.remove()
+    resident_loop = h.run("resident", "ram", compute_opt=False, prompts=prompts)
+
+    log.info("measuring the prefetch window")
+    pred_policy = "pred0" if has_pred else "naive"
+    window_run = h.run(pred_policy, "ram", m_max=max(demand_m), preload=True, prompts=prompts)
+    candidates = h.run(pred_policy, ref, m_max=max(demand_m), topm_absent=demand_m, prompts=prompts)
+    if window_run.tokens() != resident.tokens() or candidates.tokens() != resident.tokens():
+        raise RuntimeError("window profiling runs decoded different tokens: the runtime changed the outputs")
+    windows = per_layer_windows(window_run.events)
+
+    per_layer: dict[int, list[float]] = defaultdict(list)
+    for (step, layer), w in windows.items():
+        per_layer[layer].append(w)
+    w_mean = statistics.fmean([w for ws in per_layer.values() for w in ws]) if per_layer else float("nan")
+
+    # calibrated emulation: profiled window / emulated NVMe transfer = calibrate_ratio
+    scale = 1.0
+    if s["charge"] == "calibrated":
+        base = make_profile("nvme", {**s, "charge": "paper"}, h.store.layout.payload_bytes).transfer_s() * 1e3
+        scale = (w_mean / float(s["calibrate_ratio"])) / base if base > 0 and math.isfinite(w_mean) else 1.0
+
+    log.info("measuring per-expert transfer times")
+    transfers = transfer_table(h, list(s["storages"]), int(wcfg["transfer_samples"]), scale)
+    t_ref = transfers[ref]["transfer_ms"]
+    phys = physical_device_model(h, transfers["nvme_cold"]["transfer_ms"]) if "nvme_cold" in transfers else None
+    m_max = derive_m_max(w_mean, t_ref, n_experts) if s["m_max"] == "auto" else int(s["m_max"])
+    overshoot = emulation_overshoot_ms(h, scale)
+    emulated = {name: make_profile(name, s, h.store.layout.payload_bytes, scale).describe() for name in EMULATED}
+
+    out_dir = Path(out_dir)
+    window_rows = [{"platform": platform, "model": model_name, "layer": layer + 1,
+                    "window_ms": statistics.fmean(ws), "transfer_ms": t_ref,
+                    "m_max": derive_m_max(statistics.fmean(ws), t_ref, n_experts)}
+                   for layer, ws in sorted(per_layer.items())]
+    event_rows = []
+    for ev in candidates.events:
+        w = windows.get((ev.step, ev.layer))
+        if ev.n_tokens != 1 or w is None:
+            continue
+        for m in demand_m:
+            if m in ev.topm_absent:
+                event_rows.append({"platform": platform, "model": model_name, "layer": ev.layer + 1, "M": m,
+                                   "demand_ms": ev.topm_absent[m] * t_ref, "window_ms": w})
+    latency_rows = []
+    for mode, comps in (("resident", lat_res), ("on_demand", lat_dem)):
+        for (layer, comp), vals in sorted(comps.items()):
+            latency_rows.append({"platform": platform, "model": model_name, "mode": mode, "layer": layer,
+                                 "component": comp, "ms": statistics.fmean(vals)})
+    profile = {
+        "format": "specprefetch-window-profile/1",
+        "platform": platform, "model": model_name, "reference_storage": ref,
+        "n_layers": n_layers, "n_experts": n_experts, "top_k": int(h.spec.top_k),
+        "record_bytes": h.store.record_bytes, "payload_bytes": h.store.layout.payload_bytes,
+        "cache_capacity_experts": capacity, "io_workers": int(s["io_workers"]),
+        "window_ms_mean": w_mean, "window_ms_per_layer": {str(k + 1): statistics.fmean(v) for k, v in per_layer.items()},
+        "transfer_ms": transfers, "m_max": m_max, "m_max_source": "profiled" if s["m_max"] == "auto" else "config",
+        "predictor_for_window": pred_policy,
+        "charge": s["charge"], "emulation_scale": scale, "emulated_profiles": emulated,
+        "emulation_overshoot_ms": overshoot,
+        "physical_model": phys,
+        "compute": {"opt": compute_profile(resident, n_layers), "loop": compute_profile(resident_loop, n_layers),
+                    "pred": compute_profile(window_run, n_layers)},
+        "demand_fraction_over_window": {
+            str(m): (sum(1 for r in event_rows if r["M"] == m and r["demand_ms"] > r["window_ms"])
+                     / max(1, sum(1 for r in event_rows if r["M"] == m))) for m in demand_m},
+        "provenance": provenance(config_fragment),
+    }
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        _write_csv(tmp / "window.csv", WINDOW_COLUMNS, window_rows)
+        _write_csv(tmp / "window_events.csv", EVENT_COLUMNS, event_rows)
+        _write_csv(tmp / "latency.csv", LATENCY_COLUMNS, latency_rows)
+        write_json_atomic(tmp / "profile.json", profile)
+    log.info("window %.3f ms, transfer %.3f ms on %s -> M_max = %d", w_mean, t_ref, ref, m_max)
+    return profile
+
+
+def _write_csv(path: Path, columns: list[str], rows: list[dict[str, Any]]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})

@@ -1,0 +1,348 @@
+"""Train (or, for training-free methods, fit) a next-layer expert predictor (paper §3.4).
+
+Objective: L_pred = 1/(L−1) Σ_l 1/|Ω| Σ_t KL(π_t^{l+1} ‖ π̂_t^{l+1}) with π = softmax of the frozen router's
+logits (stop-grad: they are data) and π̂ = softmax of the predictor's logits. Optimisation goes through the
+Hugging Face ``Trainer`` with the paper's recipe from the config (AdamW β/ε/lr/weight decay, cosine schedule
+with warmup ratio, gradient clipping, bf16 where the hardware has it, one epoch, DeepSpeed when configured
+and on CUDA). Data comes from stored traces (``source: traces``) or from the frozen model run in the loop
+on the corpus (``source: online``); both give whole-sample batches in the trace layout.
+
+Training-free methods (fate, previous_token, frequency, oracle) only collect what they need (the gates,
+the corpus expert counts) and save. The output directory (``predictor.safetensors`` + ``meta.json`` with
+loss curve, wall time and provenance) appears atomically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm import tqdm
+
+from specprefetch.io import SpecPrefetchError, atomic_path, config_hash, provenance, seed_everything, sha256_file
+from specprefetch.predictors.base import METHODS, Predictor, PredictorDims, build_predictor, predictor_class
+from specprefetch.predictors.data import OnlineChunks, TraceChunks, steps_for
+
+log = logging.getLogger(__name__)
+SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+
+
+# --------------------------------------------------------------------------------------------- objective
+
+
+def next_layer_kl(preds: Sequence[Tensor], logits: Sequence[Tensor]) -> Tensor:
+    """Mean over layer pairs of the token-mean KL(π^{l+1} ‖ π̂^{l+1}); ``logits`` are all L layers' router
+    logits (the target of pair l is layer l+1), ``preds`` the L−1 predictions. Computed in float32."""
+    if len(preds) != len(logits) - 1:
+        raise SpecPrefetchError(f"KL loss: {len(preds)} predictions for {len(logits)} layers (need L-1)")
+    terms = []
+    for l, z in enumerate(preds):
+        target = F.log_softmax(logits[l + 1].detach().float(), dim=-1)
+        terms.append(F.kl_div(F.log_softmax(z.float(), dim=-1), target, log_target=True, reduction="batchmean"))
+    return torch.stack(terms).mean()
+
+
+# --------------------------------------------------------------------------------------------- setup helpers
+
+
+def resolve_precision(precision: str) -> str:
+    """'bf16' or 'fp32': bf16 only when asked for (bf16/auto) and CUDA supports it; CPU trains in fp32."""
+    if precision not in ("auto", "bf16", "fp32"):
+        raise SpecPrefetchError(f"invalid predictors.training.precision {precision!r}")
+    if precision == "fp32":
+        return "fp32"
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    if precision == "bf16":
+        log.warning("predictors.training.precision is bf16 but no CUDA bf16 device is available: training in fp32")
+    return "fp32"
+
+
+def model_vocab_size(model_dir: Path | None) -> int | None:
+    """``vocab_size`` from a model directory's config.json (top level or its text config), if present."""
+    if model_dir is None or not (Path(model_dir) / "config.json").is_file():
+        return None
+    path = Path(model_dir) / "config.json"
+    try:
+        conf = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecPrefetchError(f"{path}: unreadable ({exc})") from None
+    for section in (conf, conf.get("text_config") or {}, conf.get("language_config") or {}):
+        if isinstance(section.get("vocab_size"), int):
+            return int(section["vocab_size"])
+    return None
+
+
+def resolve_vocab(cfg: Mapping[str, Any], model_dir: Path | None, max_token_id: int,
+                  table: Tensor | None) -> int:
+    """The draft model's vocabulary: the largest of the model's embedding rows / config vocab, the
+    tokenizer config and the largest token id seen (so no training id falls into the unknown row)."""
+    sizes = [max_token_id + 1]
+    if table is not None:
+        sizes.append(int(table.shape[0]))
+    v = model_vocab_size(model_dir)
+    if v:
+        sizes.append(v)
+    if (cfg.get("tokenizer") or {}).get("vocab_size"):
+        sizes.append(int(cfg["tokenizer"]["vocab_size"]))
+    return max(sizes)
+
+
+def _model_cfg(cfg: Mapping[str, Any], model_name: str) -> Mapping[str, Any]:
+    if model_name not in cfg.get("models", {}):
+        raise SpecPrefetchError(f"model {model_name!r} is not in the config's models ({', '.join(cfg['models'])})")
+    return cfg["models"][model_name]
+
+
+def _open_trace(train_traces: Path | None, model_name: str) -> Any | None:
+    if train_traces is None:
+        return None
+    from specprefetch.traces.store import TraceReader
+
+    reader = TraceReader(train_traces, verify=True)
+    if reader.manifest.get("model") not in (None, model_name):
+        raise SpecPrefetchError(f"{Path(train_traces) / 'manifest.json'}: trace of model "
+                                f"{reader.manifest.get('model')!r}, training a predictor for {model_name!r}")
+    return reader
+
+
+def _check_dims_vs_config(dims: PredictorDims, mcfg: Mapping[str, Any], where: str) -> None:
+    from specprefetch.config import n_moe_layers
+
+    expect = {"n_experts": mcfg["n_experts"], "top_k": mcfg["top_k"], "hidden_size": mcfg["hidden_size"],
+              "n_layers": n_moe_layers(mcfg)}
+    for k, v in expect.items():
+        if getattr(dims, k) != int(v):
+            raise SpecPrefetchError(f"{where}: {k}={getattr(dims, k)} but the config's model says {v}")
+
+
+# --------------------------------------------------------------------------------------------- the Trainer
+
+
+def _make_trainer(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mapping[str, Any], steps: int,
+                  precision: str, out_dir: str, loss_log: list[float]) -> Any:
+    """A ``transformers.Trainer`` whose loss is the next-layer KL (custom ``compute_loss``)."""
+    from transformers import Trainer, TrainingArguments
+
+    class _KLTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
+            preds = model(inputs)
+            loss = next_layer_kl(preds, inputs["logits"])
+            loss_log.append(float(loss.detach().float()))
+            return (loss, preds) if return_outputs else loss
+
+    cuda = torch.cuda.is_available()
+    ds = tcfg.get("deepspeed_config")
+    if ds and not cuda:
+        log.info("deepspeed_config %s ignored: no CUDA device", ds)
+    betas = tcfg.get("betas", [0.9, 0.999])
+    warmup = float(tcfg.get("warmup_ratio", 0.0))
+    scheduler = tcfg.get("scheduler", "cosine")
+    if scheduler not in SCHEDULERS:
+        raise SpecPrefetchError(f"invalid predictors.training.scheduler {scheduler!r}")
+    args = TrainingArguments(
+        output_dir=out_dir,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=1,
+        max_steps=steps,
+        learning_rate=float(tcfg["lr"]),
+        adam_beta1=float(betas[0]),
+        adam_beta2=float(betas[1]),
+        adam_epsilon=float(tcfg.get("eps", 1e-8)),
+        weight_decay=float(tcfg.get("weight_decay", 0.0)),
+        optim="adamw_torch",
+        lr_scheduler_type=SCHEDULERS[scheduler],
+        warmup_steps=warmup if warmup < 1 else steps,
+        max_grad_norm=float(tcfg.get("max_grad_norm", 1.0)),
+        bf16=precision == "bf16",
+        seed=int(tcfg["seed"]),
+        data_seed=int(tcfg["seed"]),
+        logging_steps=max(1, steps // 20),
+        save_strategy="no",
+        report_to="none",
+        remove_unused_columns=False,
+        label_names=[],
+        dataloader_num_workers=0,
+        dataloader_pin_memory=cuda,
+        use_cpu=not cuda,
+        accelerator_config={"dispatch_batches": False, "split_batches": False},
+        deepspeed=ds if (ds and cuda) else None,
+    )
+    return _KLTrainer(model=predictor, args=args, train_dataset=dataset, data_collator=collate)
+
+
+def _first(items: Sequence[Any]) -> Any:
+    """Collate for batch size 1: every dataset item already is a whole batch."""
+    return items[0]
+
+
+def _fit_learned(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mapping[str, Any],
+                 precision: str) -> dict[str, Any]:
+    """Run the Trainer; return what meta.json records about the run."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    steps = steps_for(dataset.n_chunks, float(tcfg["epochs"]), world)
+    loss_log: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="specprefetch-trainer-") as tmp:
+        trainer = _make_trainer(predictor, dataset, collate, tcfg, steps, precision, tmp, loss_log)
+        log.info("training %s: %d steps over %d chunks (%d tokens), %s", predictor.method, steps,
+                 dataset.n_chunks, dataset.n_tokens, precision)
+        trainer.train()
+    predictor.to("cpu").float().eval()
+    tail = max(1, len(loss_log) // 20)
+    return {
+        "steps": steps,
+        "n_chunks": dataset.n_chunks,
+        "n_tokens": dataset.n_tokens,
+        "initial_loss": loss_log[0] if loss_log else None,
+        "final_loss": sum(loss_log[-tail:]) / tail if loss_log else None,
+        "loss_curve": loss_log,
+        "world_size": world,
+    }
+
+
+# --------------------------------------------------------------------------------------------- entry point
+
+
+def train_predictor(
+    cfg: Mapping[str, Any],
+    model_name: str,
+    method: str,
+    train_traces: Path | None,
+    out_dir: Path,
+    model_dir: Path | None = None,
+    corpus_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Train/fit ``method`` for ``model_name`` and save it to ``out_dir`` (atomically); return its meta.
+
+    ``train_traces``: the corpus trace directory (the data of ``source: traces``; with ``source: online`` it
+    may be None, then gates / expert counts come from the model). ``model_dir``: the frozen model (draft-model
+    embedding init; required online). ``corpus_dir``: the corpus workload directory (required online).
+    """
+    if method not in METHODS:
+        raise SpecPrefetchError(f"unknown predictor method {method!r}; known: {', '.join(METHODS)}")
+    t0 = time.perf_counter()
+    mcfg = _model_cfg(cfg, model_name)
+    tcfg = cfg["predictors"]["training"]
+    seed = int(tcfg["seed"])
+    source = tcfg.get("source", "traces")
+    if source not in ("traces", "online"):
+        raise SpecPrefetchError(f"invalid predictors.training.source {source!r}: use traces or online")
+    model_dir = Path(model_dir) if model_dir is not None else None
+    seed_everything(seed)
+
+    learned = predictor_class(method).learned
+    reader = _open_trace(Path(train_traces) if train_traces is not None else None, model_name)
+    # Online: learned methods always train on the live model; training-free ones use the traces if given.
+    online = source == "online" and (learned or reader is None)
+    if reader is None and not online:
+        raise SpecPrefetchError(f"training {method} needs the corpus traces (--traces DIR)")
+
+    bundle: Any = None
+    dataset: Any = None
+    collate: Any = _first
+    if online:
+        bundle, dataset = _online_dataset(cfg, model_name, model_dir, corpus_dir, tcfg)
+        collate = dataset.materialize
+        dims = dims_from_spec(bundle.routing)
+        max_id = len(bundle.tokenizer) - 1
+        _check_dims_vs_config(dims, mcfg, f"model {model_dir}")
+    else:
+        dims = PredictorDims.from_manifest(reader.manifest)
+        max_id = -1
+        if learned:
+            dataset = TraceChunks(reader, int(tcfg.get("batch_tokens", 1024)), seed=seed, shuffle=True)
+            max_id = dataset.max_token_id
+        _check_dims_vs_config(dims, mcfg, f"trace {train_traces}")
+
+    table = None
+    if method == "draft_model":
+        from specprefetch.predictors.draft_model import find_input_embeddings
+
+        table = find_input_embeddings(model_dir) if model_dir is not None else None
+        dims = dataclasses.replace(dims, vocab_size=resolve_vocab(cfg, model_dir, max_id, table))
+
+    predictor = build_predictor(method, cfg, dims)
+    if table is not None:
+        predictor.init_embeddings(table)  # type: ignore[attr-defined]
+
+    run: dict[str, Any] = {"source": "online" if online else "traces"}
+    if learned:
+        precision = resolve_precision(tcfg.get("precision", "auto"))
+        run.update(precision=precision, batch_tokens=int(tcfg.get("batch_tokens", 1024)))
+        run.update(_fit_learned(predictor, dataset, collate, tcfg, precision))
+    elif online:
+        _fit_statistics_online(predictor, bundle, dataset)
+        run["n_tokens"] = dataset.n_tokens
+    else:
+        predictor.fit_statistics(reader)
+        run["n_tokens"] = reader.n_tokens
+    bundle = dataset = None  # release the frozen model before writing
+
+    fragment = {"model": dict(mcfg), "method": method, "method_cfg": predictor.method_cfg, "training": dict(tcfg)}
+    trace_info = None
+    if reader is not None:
+        trace_info = {"dir": str(train_traces), "manifest_sha256": sha256_file(Path(train_traces) / "manifest.json"),
+                      "n_tokens": reader.n_tokens}
+    meta = {
+        "model": model_name,
+        "config_hash": config_hash(fragment),
+        "training": run,
+        "final_loss": run.get("final_loss"),
+        "loss_curve": run.pop("loss_curve", []),
+        "wall_time_s": round(time.perf_counter() - t0, 3),
+        "trained_on": trace_info,
+        "corpus_dir": str(corpus_dir) if online and corpus_dir is not None else None,
+        "provenance": provenance(fragment, seed, model_dir=str(model_dir) if model_dir else None),
+    }
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        predictor.save(tmp, extra_meta=meta)
+    log.info("saved %s predictor for %s to %s (%d trainable params, final loss %s, %.1fs)", method, model_name,
+             out_dir, predictor.trainable_params(), meta["final_loss"], meta["wall_time_s"])
+    return {**predictor.meta(), **meta}
+
+
+def dims_from_spec(spec: Any) -> PredictorDims:
+    """Predictor dims of a live model's RoutingSpec (the online counterpart of the trace manifest)."""
+    return PredictorDims(n_layers=len(spec.moe_layers), hidden_size=int(spec.hidden_size),
+                         n_experts=int(spec.n_experts), top_k=int(spec.top_k), scoring=str(spec.scoring),
+                         arch=str(spec.arch))
+
+
+def _fit_statistics_online(predictor: Predictor, bundle: Any, dataset: OnlineChunks) -> None:
+    """Training-free methods without traces: FATE takes the live gates, frequency counts the live routing."""
+    if predictor.method == "fate":
+        predictor.set_gates(bundle.routing.router_tensors())  # type: ignore[attr-defined]
+    elif predictor.method == "frequency":
+        batches = (dataset.materialize([chunk]) for chunk in dataset.chunks)
+        predictor.count_batches(tqdm(batches, total=dataset.n_chunks, desc="frequency", disable=None))  # type: ignore[attr-defined]
+
+
+def _online_dataset(cfg: Mapping[str, Any], model_name: str, model_dir: Path | None, corpus_dir: Path | None,
+                    tcfg: Mapping[str, Any]) -> tuple[Any, OnlineChunks]:
+    """Load the frozen model (on this process's GPU when there is one) and the corpus for ``source: online``."""
+    if model_dir is None or corpus_dir is None:
+        raise SpecPrefetchError("predictors.training.source is 'online': pass the model directory (--model-dir) "
+                                "and the corpus workload directory (--corpus)")
+    from specprefetch.data.workloads import read_workload
+    from specprefetch.models import load_bundle
+
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
+    bundle = load_bundle(dict(cfg), model_name, Path(model_dir), device=device)
+    samples = read_workload(Path(corpus_dir))
+    if not samples:
+        raise SpecPrefetchError(f"{corpus_dir}: the corpus has no samples")
+    dataset = OnlineChunks(bundle, samples, Path(corpus_dir), int(tcfg.get("batch_tokens", 1024)),
+                           cfg.get("traces") or {}, seed=int(tcfg["seed"]), shuffle=True)
+    return bundle, dataset

@@ -1,0 +1,507 @@
+"""Model zoo: router discovery per arch, exact top-k replay, capture, stand-ins, loading, pretraining, CLI.
+
+Executed experts are taken from each gate's own output (a forward hook in the test only), so the replay in
+``RoutingSpec.topk`` is checked against what transformers actually runs. DeepSeek-VL2's repository code
+cannot be downloaded here: its routing is tested on ``RepoMoEGate``, a hand-built module with the
+interface and forward of ``deepseek_vl2/models/modeling_deepseek.py::MoEGate`` (weight, top_k,
+n_routed_experts, scoring_func, topk_method, n_group, topk_group; returns indices, not logits).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import nn
+
+from specprefetch.config import ConfigError
+from specprefetch.models import (
+    SUPPORTED_ARCHS,
+    EncodedSample,
+    collate_encoded,
+    discover_routing,
+    encode_sample,
+    load_bundle,
+)
+from specprefetch.models.capture import RouterCapture
+from specprefetch.models.loading import ModelBundle
+from specprefetch.models.routing import RoutingError, RoutingSpec, select_experts
+from specprefetch.models.standins import build_stand_in, save_stand_in
+
+STANDINS = ("tiny-qwen3-vl-moe", "tiny-deepseek-vl2")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    """Tiny models: one intra-op thread is ~10x faster than two on a shared, oversubscribed CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------------------ tiny models
+def _tiny(arch: str, **over: Any) -> nn.Module:
+    """A tiny randomly initialised transformers MoE model of ``arch`` (float32, eval mode)."""
+    import transformers as t
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=128, pad_token_id=0)
+    if arch == "qwen3_moe":
+        cfg = t.Qwen3MoeConfig(**common, num_hidden_layers=6, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=16, decoder_sparse_step=2, mlp_only_layers=[3],
+                               norm_topk_prob=True)
+        cls = t.Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        cfg = t.MixtralConfig(**common, num_hidden_layers=3, num_local_experts=8, num_experts_per_tok=2)
+        cls = t.MixtralForCausalLM
+    elif arch == "olmoe":
+        cfg = t.OlmoeConfig(**common, num_hidden_layers=3, num_experts=8, num_experts_per_tok=3)
+        cls = t.OlmoeForCausalLM
+    elif arch in ("deepseek_v2", "deepseek_v3"):
+        mla = dict(kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+                   n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, moe_intermediate_size=16,
+                   first_k_dense_replace=1, num_hidden_layers=4)
+        common["num_key_value_heads"] = 2
+        if arch == "deepseek_v2":
+            cfg = t.DeepseekV2Config(**common, **mla, topk_method=over.pop("topk_method", "greedy"),
+                                     n_group=over.pop("n_group", None), topk_group=over.pop("topk_group", None))
+            cls = t.DeepseekV2ForCausalLM
+        else:
+            cfg = t.DeepseekV3Config(**common, **mla, n_group=2, topk_group=1, norm_topk_prob=True)
+            cls = t.DeepseekV3ForCausalLM
+    else:
+        raise AssertionError(arch)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    if arch == "deepseek_v3":  # make the correction bias matter (it is zero at init)
+        g = torch.Generator().manual_seed(1)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8, generator=g) * 0.05)
+    return model
+
+
+EXPECTED = {  # arch -> (moe layers, n, K, D, scoring, shared)
+    "qwen3_moe": ([1, 5], 8, 2, 32, "softmax", 0),  # decoder_sparse_step 2 -> 1, 3, 5; 3 is in mlp_only_layers
+    "mixtral": ([0, 1, 2], 8, 2, 32, "softmax", 0),
+    "olmoe": ([0, 1, 2], 8, 3, 32, "softmax", 0),
+    "deepseek_v2": ([1, 2, 3], 8, 2, 32, "softmax", 2),
+    "deepseek_v3": ([1, 2, 3], 8, 2, 32, "sigmoid", 2),
+}
+
+
+class GateRecorder:
+    """Test-only: records what each gate returned (transformers routers return (logits, weights, indices))."""
+
+    def __init__(self, gates: list[nn.Module]) -> None:
+        self.indices: list[list[torch.Tensor]] = [[] for _ in gates]
+        self.logits: list[list[torch.Tensor]] = [[] for _ in gates]
+        self.handles = [g.register_forward_hook(self._hook(i)) for i, g in enumerate(gates)]
+
+    def _hook(self, i: int) -> Any:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            self.logits[i].append(out[0].detach())
+            self.indices[i].append(out[2].detach())
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _sets(idx: torch.Tensor) -> torch.Tensor:
+    return idx.sort(dim=-1).values
+
+
+def _check_replay(model: nn.Module, spec: RoutingSpec, kwargs: dict[str, Any]) -> None:
+    """Recomputed logits/top-k equal what the model executed, and capture leaves outputs bit-identical."""
+    with torch.no_grad():
+        plain = model(**kwargs).logits
+        rec = GateRecorder(spec.gates)
+        with RouterCapture(model, spec) as cap:
+            captured = model(**kwargs).logits
+        rec.close()
+    assert torch.equal(plain, captured), "capture changed the forward's output"
+    assert all(not g._forward_pre_hooks for g in spec.gates), "hooks left behind"
+    xs = cap.inputs()
+    assert len(xs) == spec.n_layers
+    for i, x in enumerate(xs):
+        assert x.shape[1] == spec.hidden_size
+        logits = spec.logits(i, x)
+        assert logits.dtype == torch.float32 and logits.shape == (x.shape[0], spec.n_experts)
+        torch.testing.assert_close(logits, rec.logits[i][0].float(), rtol=1e-5, atol=1e-5)
+        executed = rec.indices[i][0]
+        assert torch.equal(_sets(spec.topk(i, logits)), _sets(executed)), f"layer {i}: top-k differs"
+        assert torch.equal(_sets(spec.executed_topk(i, x)), _sets(executed))
+        torch.testing.assert_close(spec.probs(i, logits).sum(-1), torch.ones(x.shape[0]))
+
+
+@pytest.mark.parametrize("arch", sorted(EXPECTED))
+def test_transformers_arch_routing(arch: str) -> None:
+    model = _tiny(arch)
+    spec = discover_routing(model)
+    layers, n, k, d, scoring, shared = EXPECTED[arch]
+    assert (spec.arch, spec.moe_layers, spec.n_experts, spec.top_k, spec.hidden_size) == (arch, layers, n, k, d)
+    assert (spec.scoring, spec.n_shared_experts) == (scoring, shared)
+    assert all(g is model.model.layers[i].mlp.gate for g, i in zip(spec.gates, spec.moe_layers))
+    ids = torch.randint(1, 64, (2, 11), generator=torch.Generator().manual_seed(0))
+    _check_replay(model, spec, {"input_ids": ids})
+    if arch == "deepseek_v3":
+        assert spec.topk_method == "noaux_tc" and "gate.0.e_score_correction_bias" in spec.router_tensors()
+
+
+def test_deepseek_v2_group_limited_greedy() -> None:
+    model = _tiny("deepseek_v2", topk_method="group_limited_greedy", n_group=4, topk_group=2)
+    spec = discover_routing(model)
+    assert (spec.topk_method, spec.n_group, spec.topk_group) == ("group_limited_greedy", 4, 2)
+    _check_replay(model, spec, {"input_ids": torch.randint(1, 64, (2, 13), generator=torch.Generator().manual_seed(3))})
+
+
+def test_executed_topk_replays_bf16_router() -> None:
+    """Qwen-style routers compute logits in the model dtype; executed_topk replays that, not float32."""
+    model = _tiny("olmoe").to(torch.bfloat16)
+    spec = discover_routing(model)
+    ids = torch.randint(1, 64, (4, 32), generator=torch.Generator().manual_seed(5))
+    rec = GateRecorder(spec.gates)
+    with torch.no_grad(), RouterCapture(model, spec) as cap:
+        model(input_ids=ids)
+    rec.close()
+    for i, x in enumerate(cap.inputs()):
+        assert x.dtype == torch.bfloat16
+        assert torch.equal(_sets(spec.executed_topk(i, x)), _sets(rec.indices[i][0]))
+
+
+def test_capture_accumulates_and_casts_lazily() -> None:
+    model = _tiny("mixtral")
+    spec = discover_routing(model)
+    with torch.no_grad(), RouterCapture(model, spec, dtype=torch.bfloat16) as cap:
+        model(input_ids=torch.randint(1, 64, (1, 5)))
+        model(input_ids=torch.randint(1, 64, (1, 3)))
+    xs = cap.inputs()
+    assert cap.n_forwards == 2 and [x.shape for x in xs] == [torch.Size([8, 32])] * 3
+    assert all(x.dtype == torch.bfloat16 for x in xs)
+    assert all(lg.dtype == torch.float32 for lg in cap.logits())
+    cap.clear()
+    with pytest.raises(Exception, match="no router input captured"):
+        cap.inputs()
+
+
+def test_unknown_arch_lists_supported() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2))
+    with pytest.raises(RoutingError) as err:
+        discover_routing(model)
+    msg = str(err.value)
+    assert "'llama'" in msg
+    for arch in SUPPORTED_ARCHS:
+        assert arch in msg
+
+
+# ------------------------------------------------------------------------------------------ DeepSeek-VL2 (repo code)
+class RepoMoEGate(nn.Module):
+    """The interface and forward of DeepSeek-VL2's ``MoEGate`` (deepseek_vl2/models/modeling_deepseek.py)."""
+
+    def __init__(self, n: int, k: int, d: int, scoring_func: str, topk_method: str, n_group: int, topk_group: int,
+                 seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.top_k, self.n_routed_experts, self.scoring_func, self.topk_method = k, n, scoring_func, topk_method
+        self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling_factor = n_group, topk_group, True, 1.0
+        self.weight = nn.Parameter(torch.randn(n, d, generator=g))
+        if topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.randn(n, generator=g) * 0.1)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        bsz, seq_len, h = hidden_states.shape
+        hidden_states = hidden_states.view(-1, h)
+        logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32), None)
+        scores = logits.softmax(dim=-1, dtype=torch.float32) if self.scoring_func == "softmax" else logits.sigmoid()
+        t, n = bsz * seq_len, self.n_routed_experts
+        if self.topk_method == "greedy":
+            topk_weight, topk_idx = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        elif self.topk_method == "group_limited_greedy":
+            group_scores = scores.view(t, self.n_group, -1).max(dim=-1).values
+            group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            score_mask = group_mask.unsqueeze(-1).expand(t, self.n_group, n // self.n_group).reshape(t, -1)
+            tmp = scores.masked_fill(~score_mask.bool(), 0.0)
+            topk_weight, topk_idx = torch.topk(tmp, k=self.top_k, dim=-1, sorted=False)
+        else:  # noaux_tc
+            choice = scores.view(t, -1) + self.e_score_correction_bias.unsqueeze(0)
+            group_scores = choice.view(t, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+            group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            score_mask = group_mask.unsqueeze(-1).expand(t, self.n_group, n // self.n_group).reshape(t, -1)
+            tmp = choice.masked_fill(~score_mask.bool(), 0.0)
+            _, topk_idx = torch.topk(tmp, k=self.top_k, dim=-1, sorted=False)
+            topk_weight = scores.gather(1, topk_idx)
+        return topk_idx, topk_weight, None
+
+
+def _fake_deepseek_vl2(scoring: str, method: str) -> nn.Module:
+    lc = SimpleNamespace(num_hidden_layers=5, first_k_dense_replace=1, moe_layer_freq=2, n_routed_experts=8,
+                         hidden_size=16, n_shared_experts=2)
+    layers = nn.ModuleList()
+    for i in range(5):
+        moe = i >= 1 and i % 2 == 0
+        mlp = nn.Module()
+        if moe:
+            mlp.gate = RepoMoEGate(8, 3, 16, scoring, method, n_group=4, topk_group=2, seed=i)
+        layer = nn.Module()
+        layer.mlp = mlp
+        layers.append(layer)
+    model = nn.Module()
+    model.config = SimpleNamespace(model_type="deepseek_vl_v2", language_config=lc)
+    model.language = nn.Module()
+    model.language.model = nn.Module()
+    model.language.model.layers = layers
+    return model
+
+
+@pytest.mark.parametrize("scoring,method", [("softmax", "greedy"), ("softmax", "group_limited_greedy"),
+                                            ("sigmoid", "noaux_tc"), ("sigmoid", "greedy")])
+def test_deepseek_vl2_repo_gate(scoring: str, method: str) -> None:
+    model = _fake_deepseek_vl2(scoring, method).eval()
+    spec = discover_routing(model)
+    assert (spec.arch, spec.moe_layers, spec.n_experts, spec.top_k, spec.hidden_size, spec.n_shared_experts) == (
+        "deepseek_vl2", [2, 4], 8, 3, 16, 2)
+    assert (spec.scoring, spec.topk_method) == (scoring, method)
+    x = torch.randn(3, 20, 16, generator=torch.Generator().manual_seed(7))
+    for i, gate in enumerate(spec.gates):
+        executed = gate(x)[0]
+        assert torch.equal(_sets(spec.topk(i, spec.logits(i, x))), _sets(executed))
+
+
+def test_select_experts_rejects_bad_groups() -> None:
+    with pytest.raises(RoutingError, match="n_group"):
+        select_experts(torch.randn(2, 8), 2, topk_method="noaux_tc", n_group=3, topk_group=1)
+    with pytest.raises(RoutingError, match="unknown topk_method"):
+        select_experts(torch.randn(2, 8), 2, topk_method="bogus")
+
+
+# ------------------------------------------------------------------------------------------ stand-ins
+def _image(path: Path, seed: int, size: int) -> None:
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path)
+
+
+@pytest.fixture(scope="module")
+def saved_standins(tmp_path_factory: pytest.TempPathFactory, smoke_cfg: dict[str, Any],
+                   tiny_tokenizer: Any) -> dict[str, tuple[Path, Any]]:
+    """Each stand-in built (seed 0), saved; returns name -> (dir, the in-memory model)."""
+    out = {}
+    for name in STANDINS:
+        torch.manual_seed(0)
+        s = build_stand_in(smoke_cfg, name, tiny_tokenizer)
+        d = tmp_path_factory.mktemp("standin") / name
+        save_stand_in(s, d)
+        out[name] = (d, s.model.eval())
+    return out
+
+
+@pytest.fixture(scope="module")
+def image_root(tmp_path_factory: pytest.TempPathFactory, smoke_cfg: dict[str, Any]) -> Path:
+    root = tmp_path_factory.mktemp("images")
+    (root / "images").mkdir()
+    size = smoke_cfg["image"]["size"]
+    _image(root / "images" / "a.png", 0, size)
+    _image(root / "images" / "b.png", 1, size)
+    return root
+
+
+SAMPLE = {"id": "t-0", "prompt": "What is 3 plus 4?", "reference": "the answer is 7.", "image": "images/a.png"}
+
+
+@pytest.mark.parametrize("name", STANDINS)
+def test_standin_routing_masks_and_round_trip(name: str, smoke_cfg: dict[str, Any], saved_standins: Any,
+                                              image_root: Path) -> None:
+    d, original = saved_standins[name]
+    bundle = load_bundle(smoke_cfg, name, d)
+    m = smoke_cfg["models"][name]
+    spec = bundle.routing
+    assert spec.arch == m["arch"] and spec.n_experts == m["n_experts"] and spec.top_k == m["top_k"]
+    assert spec.n_layers == m["num_hidden_layers"] - m["first_dense_layers"]
+    assert spec.moe_layers[0] == m["first_dense_layers"] and spec.n_shared_experts == m["n_shared_experts"]
+    assert not bundle.model.training
+    enc = encode_sample(bundle, SAMPLE, image_root)
+    s = enc.length
+    assert enc.input_ids.shape == enc.is_prompt.shape == enc.is_image.shape == enc.valid.shape == (s,)
+    assert enc.is_image.sum() > 0 and enc.valid.all() and not enc.truncated
+    assert bool(enc.is_prompt[enc.is_image].all()), "image tokens belong to the prompt"
+    first_ref = int((~enc.is_prompt).nonzero()[0])
+    assert enc.is_prompt[:first_ref].all() and not enc.is_prompt[first_ref:].any()
+    assert enc.input_ids[-1] == bundle.tokenizer.eos_token_id
+    with torch.no_grad():
+        loaded = bundle.model(**enc.kwargs).logits
+        ref = original(**enc.kwargs).logits
+    assert torch.equal(loaded, ref), "save/load round trip changed the logits"
+    _check_replay_standin(bundle, enc)
+
+
+def _check_replay_standin(bundle: ModelBundle, enc: EncodedSample) -> None:
+    spec = bundle.routing
+    rec = GateRecorder(spec.gates)
+    with torch.no_grad(), RouterCapture(bundle.model, spec) as cap:
+        bundle.model(**enc.kwargs)
+    rec.close()
+    for i, x in enumerate(cap.inputs()):
+        assert x.shape == (enc.length, spec.hidden_size)
+        assert torch.equal(_sets(spec.topk(i, spec.logits(i, x))), _sets(rec.indices[i][0]))
+
+
+@pytest.mark.parametrize("name", STANDINS)
+def test_standin_logits_depend_on_image(name: str, smoke_cfg: dict[str, Any], saved_standins: Any,
+                                        image_root: Path) -> None:
+    bundle = load_bundle(smoke_cfg, name, saved_standins[name][0])
+    a = encode_sample(bundle, SAMPLE, image_root)
+    b = encode_sample(bundle, {**SAMPLE, "image": "images/b.png"}, image_root)
+    assert torch.equal(a.input_ids, b.input_ids)
+    with torch.no_grad():
+        la, lb = bundle.model(**a.kwargs).logits, bundle.model(**b.kwargs).logits
+    text = ~a.is_image
+    assert not torch.allclose(la[0, text], lb[0, text]), "the image does not reach the text tokens"
+    no_img = encode_sample(bundle, {**SAMPLE, "image": None}, image_root)
+    assert not no_img.is_image.any() and no_img.length < a.length
+
+
+@pytest.mark.parametrize("name", STANDINS)
+def test_truncation_keeps_image_tokens(name: str, smoke_cfg: dict[str, Any], saved_standins: Any,
+                                       image_root: Path) -> None:
+    bundle = load_bundle(smoke_cfg, name, saved_standins[name][0])
+    full = encode_sample(bundle, SAMPLE, image_root)
+    n_img = int(full.is_image.sum())
+    cut = encode_sample(bundle, SAMPLE, image_root, max_length=n_img + 4)
+    assert cut.truncated and cut.length == n_img + 4 and int(cut.is_image.sum()) == n_img
+    with torch.no_grad():
+        bundle.model(**cut.kwargs)  # still a consistent forward (all image features placed)
+    with pytest.raises(Exception, match="image tokens"):
+        encode_sample(bundle, SAMPLE, image_root, max_length=n_img // 2)
+
+
+def test_collate_pads_and_batches(smoke_cfg: dict[str, Any], saved_standins: Any, image_root: Path) -> None:
+    name = "tiny-qwen3-vl-moe"
+    bundle = load_bundle(smoke_cfg, name, saved_standins[name][0])
+    items = [encode_sample(bundle, SAMPLE, image_root), encode_sample(bundle, {**SAMPLE, "image": None}, image_root)]
+    pad = bundle.meta["special_token_ids"]["<|pad|>"]
+    kwargs, masks = collate_encoded(items, pad)
+    assert kwargs["input_ids"].shape == (2, items[0].length) and kwargs["input_ids"][1, -1] == pad
+    assert masks["valid"][1].sum() == items[1].length and masks["is_image"][1].sum() == 0
+    with torch.no_grad():
+        batched = bundle.model(**kwargs).logits
+        single = bundle.model(**items[1].kwargs).logits
+    torch.testing.assert_close(batched[1, : items[1].length], single[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("key,value", [("n_experts", 12), ("top_k", 3), ("hidden_size", 64),
+                                       ("first_dense_layers", 1), ("n_shared_experts", 1)])
+def test_config_mismatch_names_key(key: str, value: int, smoke_cfg: dict[str, Any], saved_standins: Any) -> None:
+    name = "tiny-qwen3-vl-moe"
+    cfg = copy.deepcopy(smoke_cfg)
+    cfg["models"][name][key] = value
+    with pytest.raises(ConfigError, match=f"models.{name}.{key}"):
+        load_bundle(cfg, name, saved_standins[name][0])
+
+
+def test_load_errors_name_the_problem(smoke_cfg: dict[str, Any], tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown model 'nope'"):
+        load_bundle(smoke_cfg, "nope", tmp_path)
+    with pytest.raises(Exception, match="not found"):
+        load_bundle(smoke_cfg, "tiny-qwen3-vl-moe", tmp_path / "missing")
+    with pytest.raises(Exception, match="specprefetch_model.json"):
+        load_bundle(smoke_cfg, "tiny-qwen3-vl-moe", tmp_path)
+
+
+def test_hub_unreachable_error_names_hub_id(smoke_cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail fast instead of retrying
+    cfg = copy.deepcopy(smoke_cfg)
+    cfg["models"]["hubby"] = {**cfg["models"]["tiny-qwen3-vl-moe"], "source": "hub",
+                              "hub_id": "specprefetch-test/not-a-model", "revision": "0" * 40}
+    cfg["models"]["hubby"].pop("pretrain")
+    with pytest.raises(Exception) as err:
+        load_bundle(cfg, "hubby")
+    assert "specprefetch-test/not-a-model" in str(err.value) and "models.hubby.path" in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------ pretraining
+def _mean_lm_loss(bundle: ModelBundle, samples: list[Any], root: Path) -> float:
+    from specprefetch.models.pretrain import _target_labels, lm_loss
+
+    total = 0.0
+    with torch.no_grad():
+        for s in samples:
+            e = encode_sample(bundle, s, root, 64)
+            lab = _target_labels(e.kwargs, {"is_image": e.is_image[None], "valid": e.valid[None]})
+            total += float(lm_loss(bundle.model(**e.kwargs).logits, lab))
+    return total / len(samples)
+
+
+@pytest.mark.parametrize("name", STANDINS)
+def test_pretrain_lowers_loss_and_is_deterministic(name: str, smoke_cfg: dict[str, Any], tiny_tokenizer_dir: Path,
+                                                   tiny_corpus_dir: Path, tmp_path: Path) -> None:
+    from specprefetch.data.workloads import read_workload
+    from specprefetch.io import seed_everything
+    from specprefetch.models.pretrain import TRAIN_LOG, param_digest, pretrain_stand_in, split_heldout
+    from specprefetch.models.standins import build_stand_in
+    from transformers import AutoTokenizer
+
+    cfg = copy.deepcopy(smoke_cfg)
+    pcfg = cfg["models"][name]["pretrain"]
+    pcfg.update(steps=3, batch_size=4, seq_len=64, lr=5e-3, warmup_steps=1)
+    log_a = pretrain_stand_in(cfg, name, tiny_corpus_dir, tiny_tokenizer_dir, tmp_path / "a")
+    pretrain_stand_in(cfg, name, tiny_corpus_dir, tiny_tokenizer_dir, tmp_path / "b")
+    a, b = load_bundle(cfg, name, tmp_path / "a"), load_bundle(cfg, name, tmp_path / "b")
+    assert param_digest(a.model) == param_digest(b.model), "same seed gave different weights"
+
+    samples = read_workload(tiny_corpus_dir)
+    train_idx, _ = split_heldout(len(samples), pcfg["seed"])
+    probe = [samples[i] for i in train_idx[:6]]
+    seed_everything(pcfg["seed"])
+    init = build_stand_in(cfg, name, AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    init_bundle = ModelBundle(name=name, arch=a.arch, kind="stand_in", model=init.model.eval(),
+                              tokenizer=init.tokenizer, image_processor=init.image_processor, routing=a.routing,
+                              model_cfg=cfg["models"][name], meta=init.meta)
+    assert _mean_lm_loss(a, probe, tiny_corpus_dir) < _mean_lm_loss(init_bundle, probe, tiny_corpus_dir) - 0.01
+
+    saved = json.loads((tmp_path / "a" / TRAIN_LOG).read_text())
+    assert saved["loss_curve"] == log_a["loss_curve"] and len(saved["loss_curve"]) == 3
+    r = saved["routing"]
+    assert len(r["layers"]) == a.routing.n_layers
+    assert all(sum(layer["load_histogram"]) == r["n_heldout_tokens"] * a.routing.top_k for layer in r["layers"])
+    assert 0 <= r["fate_recall_at_k"] <= 1 and math.isclose(r["chance_recall_at_k"],
+                                                             a.routing.top_k / a.routing.n_experts)
+    assert saved["unigram"]["unigram_entropy_nats"] > 0 and "config_hash" in saved["provenance"]
+
+
+def test_pretrain_rejects_bad_inputs(smoke_cfg: dict[str, Any], tiny_corpus_dir: Path, tmp_path: Path) -> None:
+    from specprefetch.models.pretrain import pretrain_stand_in
+
+    with pytest.raises(Exception, match="tokenizer not found"):
+        pretrain_stand_in(smoke_cfg, "tiny-qwen3-vl-moe", tiny_corpus_dir, tmp_path / "none", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def test_cli_inspect_model(saved_standins: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from specprefetch.cli import main
+
+    repo = Path(__file__).resolve().parent.parent
+    d = saved_standins["tiny-deepseek-vl2"][0]
+    rc = main(["inspect-model", "--config", str(repo / "config" / "smoke.yaml"), "--model", "tiny-deepseek-vl2",
+               "--model-dir", str(d)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    info = json.loads(out[out.index("{"):])
+    assert info["arch"] == "deepseek_vl2_standin" and info["moe_layers"] == [1, 2] and info["n_shared_experts"] == 1

@@ -1,0 +1,445 @@
+"""Predictors: interface, parameter counts, training-free methods against hand computations, KL training
+(loss goes down, deterministic), save/load round trips, online training on a tiny model."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specprefetch.config import load_config
+from specprefetch.io import SpecPrefetchError
+from specprefetch.predictors import METHODS, PredictorDims, PredictorError, build_predictor, load_predictor
+from specprefetch.predictors.data import TraceChunks, chunk_spans, iter_trace_batches
+from specprefetch.traces.store import TraceReader, TraceWriter
+from specprefetch.train import next_layer_kl, train_predictor
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "tiny-qwen3-vl-moe"  # smoke profile: L=3 MoE layers, D=32, n=16, K=4
+
+
+# --------------------------------------------------------------------------------------------- fixtures
+
+
+def make_trace(out: Path, workload: str = "corpus", n_samples: int = 40, L: int = 3, D: int = 32, n: int = 16,
+               K: int = 4, seed: int = 0, shard_tokens: int = 256, vocab: int = 200) -> Path:
+    """A synthetic trace in the contract's format: a residual stream drifting across layers (so the next
+    gate on the current input is informative, like in a real MoE), random gates, true top-K routing."""
+    g = torch.Generator().manual_seed(seed)
+    gates = [torch.randn(n, D, generator=g) * 3 / D**0.5 for _ in range(L)]
+    drift = [torch.randn(D, D, generator=g) * 0.5 / D**0.5 for _ in range(L)]
+    emb = torch.randn(vocab, D, generator=g)
+    meta = {"model": MODEL, "workload": workload, "arch": "qwen3_vl_moe", "n_experts": n, "top_k": K,
+            "hidden_size": D, "moe_layers": list(range(L)), "scoring": "softmax",
+            "routers": {f"gate.{i}.weight": gates[i] for i in range(L)}}
+    g = torch.Generator().manual_seed(seed + 1000)  # samples differ by seed, gates are the model's
+    with TraceWriter(out, meta, shard_tokens=shard_tokens) as w:
+        for _ in range(n_samples):
+            t = int(torch.randint(8, 40, (1,), generator=g))
+            ids = torch.randint(0, vocab, (t,), generator=g)
+            h = emb[ids] + 0.3 * torch.randn(t, D, generator=g)
+            xs, lg, tk = [], [], []
+            for l in range(L):
+                x = h / h.norm(dim=-1, keepdim=True) * D**0.5
+                z = x @ gates[l].T
+                xs.append(x)
+                lg.append(z)
+                tk.append(z.topk(K).indices)
+                h = h + torch.tanh(h @ drift[l]) + 0.2 * torch.randn(t, D, generator=g)
+            w.add_sample(xs, lg, tk, ids, torch.arange(t), torch.zeros(t, dtype=torch.uint8),
+                         (torch.arange(t) < t // 2).to(torch.uint8))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cfg() -> dict:
+    c = load_config(REPO / "config" / "smoke.yaml")
+    c = copy.deepcopy(c)
+    c["predictors"]["training"]["batch_tokens"] = 64
+    c["predictors"]["training"]["lr"] = 1e-2
+    c["predictors"]["draft_model"] = {"num_layers": 1, "d_model": 32, "num_heads": 2}  # fast tests
+    return c
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_trace(tmp_path_factory.mktemp("tr") / "corpus", n_samples=40)
+
+
+@pytest.fixture(scope="module")
+def batch(corpus: Path) -> dict:
+    return next(iter_trace_batches(TraceReader(corpus), 10_000))
+
+
+DIMS = PredictorDims(n_layers=3, hidden_size=32, n_experts=16, top_k=4, vocab_size=200)
+
+
+# --------------------------------------------------------------------------------------------- interface
+
+
+@pytest.mark.parametrize(("L", "D", "n", "r"), [(3, 32, 16, 16), (8, 128, 128, 16), (11, 128, 64, 4), (2, 7, 5, 1)])
+def test_specprefetch_param_count(L: int, D: int, n: int, r: int) -> None:
+    p = build_predictor("specprefetch", {"specprefetch": {"rank": r}}, PredictorDims(L, D, n, 2))
+    assert p.trainable_params() == (L - 1) * r * (D + n)
+
+
+def test_param_counts_are_counted_not_assumed() -> None:
+    d = PredictorDims(4, 32, 16, 4, vocab_size=50)
+    promoe = build_predictor("promoe", {"promoe": {"hidden": None}}, d)
+    assert promoe.trainable_params() == 3 * (32 * 32 + 32 + 32 * 16 + 16)  # hidden = D
+    single = build_predictor("single_mlp", {"single_mlp": {"hidden": 8}}, d)
+    assert single.trainable_params() == 32 * 8 + 8 + 3 * 8 + 8 * 16 + 16
+    for m in ("fate", "previous_token", "frequency", "oracle"):
+        assert build_predictor(m, None, d).trainable_params() == 0
+    draft = build_predictor("draft_model", {"draft_model": {"num_layers": 1, "d_model": 16, "num_heads": 2}}, d)
+    draft.embed.weight.requires_grad_(False)  # frozen parameters are not counted
+    assert draft.trainable_params() == sum(p.numel() for n_, p in draft.named_parameters() if n_ != "embed.weight")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_predicts_next_layers(method: str, batch: dict) -> None:
+    p = build_predictor(method, None, DIMS)
+    t = batch["token_ids"].shape[0]
+    out = p(batch)
+    assert len(out) == 2 and all(o.shape == (t, 16) for o in out)
+    tok = p.priorities(batch, "token")
+    agg = p.priorities(batch, "batch")
+    assert all(a.shape == (16,) for a in agg)
+    for a, s in zip(agg, tok):
+        torch.testing.assert_close(a.double(), s.double().sum(0), rtol=1e-5, atol=1e-5)
+    with pytest.raises(PredictorError):
+        p.priorities(batch, "layer")  # type: ignore[arg-type]
+
+
+def test_unknown_method_and_bad_dims() -> None:
+    with pytest.raises(PredictorError, match="unknown predictor method 'lstm'"):
+        build_predictor("lstm", None, DIMS)
+    with pytest.raises(PredictorError, match="n_layers=1"):
+        PredictorDims(1, 8, 4, 2)
+    with pytest.raises(PredictorError, match="vocab_size"):
+        build_predictor("draft_model", None, PredictorDims(3, 8, 4, 2))
+
+
+# --------------------------------------------------------------------------------------------- training-free methods
+
+
+def test_previous_token_matches_loop(batch: dict) -> None:
+    p = build_predictor("previous_token", None, DIMS)
+    scores = p.priorities(batch, "token")
+    sidx = batch["sample_index"].tolist()
+    for l in range(2):
+        top = batch["topk"][l + 1].tolist()
+        expect = torch.zeros(len(sidx), 16)
+        for t in range(len(sidx)):
+            if t > 0 and sidx[t] == sidx[t - 1]:
+                for e in top[t - 1]:
+                    expect[t, e] = 1.0
+        torch.testing.assert_close(scores[l], expect)
+
+
+def test_previous_token_rejects_shuffled_batch(corpus: Path) -> None:
+    shuffled = next(TraceReader(corpus).iter_batches(200, shuffle=True, seed=3))
+    with pytest.raises(PredictorError, match="contiguous"):
+        build_predictor("previous_token", None, DIMS)(shuffled)
+
+
+def test_frequency_counts_corpus(corpus: Path, batch: dict) -> None:
+    p = build_predictor("frequency", None, DIMS)
+    reader = TraceReader(corpus)
+    p.fit_statistics(reader)
+    counts = torch.zeros(2, 16, dtype=torch.float64)
+    for shard in reader.iter_shards():
+        for l in range(2):
+            for e in shard[f"topk.{l + 1}"].flatten().tolist():
+                counts[l, e] += 1
+    torch.testing.assert_close(p.counts, counts)
+    s = p.priorities(batch, "token")[0]
+    assert torch.equal(s[0], s[-1]) and abs(float(s[0].sum()) - 1) < 1e-6
+
+
+def test_fate_on_tiny_qwen3_moe() -> None:
+    """FATE = next layer's native gate on this layer's router input, checked on a real HF MoE."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from specprefetch.models.capture import RouterCapture
+    from specprefetch.models.routing import discover_routing
+
+    torch.manual_seed(0)
+    conf = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                          num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                          num_experts=8, num_experts_per_tok=2, max_position_embeddings=64)
+    model = Qwen3MoeForCausalLM(conf).eval()
+    spec = discover_routing(model)
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad(), RouterCapture(model, spec) as cap:
+        model(input_ids=ids)
+        xs = cap.inputs()
+    gates = [layer.mlp.gate.weight.detach() for layer in model.model.layers]
+    dims = PredictorDims(n_layers=3, hidden_size=32, n_experts=8, top_k=2)
+    fate = build_predictor("fate", None, dims)
+    fate.set_gates(spec.router_tensors())
+    b = {"x": xs, "logits": [x @ g.T for x, g in zip(xs, gates)], "topk": [torch.zeros(12, 2, dtype=torch.long)] * 3,
+         "token_ids": ids[0], "sample_index": torch.zeros(12, dtype=torch.long), "position": torch.arange(12)}
+    out = fate(b)
+    for l in range(2):
+        by_hand = xs[l].float() @ gates[l + 1].float().T
+        torch.testing.assert_close(out[l], by_hand, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fate.priorities(b)[l], F.softmax(by_hand, -1), rtol=1e-5, atol=1e-6)
+    assert fate.trainable_params() == 0
+
+
+def test_fate_sigmoid_scoring_uses_correction_bias() -> None:
+    dims = PredictorDims(n_layers=2, hidden_size=4, n_experts=3, top_k=1, scoring="sigmoid")
+    fate = build_predictor("fate", None, dims)
+    w = torch.randn(3, 4)
+    bias = torch.tensor([0.0, 5.0, 0.0])
+    fate.set_gates({"gate.0.weight": w, "gate.1.weight": w, "gate.1.e_score_correction_bias": bias})
+    x = torch.randn(5, 4)
+    b = {"x": [x, x], "token_ids": torch.zeros(5, dtype=torch.long)}
+    torch.testing.assert_close(fate.priorities(b)[0], torch.sigmoid(x @ w.T) + bias)
+
+
+def test_oracle_scores_rank_true_experts_first(batch: dict) -> None:
+    p = build_predictor("oracle", None, DIMS)
+    s = p.priorities(batch)[0]
+    top = s.topk(4).indices.sort().values
+    assert torch.equal(top, batch["topk"][1].long().sort().values)
+
+
+def test_draft_model_is_causal(batch: dict) -> None:
+    torch.manual_seed(0)
+    p = build_predictor("draft_model", {"draft_model": {"num_layers": 2, "d_model": 16, "num_heads": 2}}, DIMS).eval()
+    first = int((batch["sample_index"] == batch["sample_index"][0]).sum())
+    b2 = dict(batch)
+    ids = batch["token_ids"].clone()
+    ids[first - 1] = (ids[first - 1] + 1) % 200  # change the last token of the first sample
+    b2["token_ids"] = ids
+    with torch.no_grad():
+        a, b = p(batch), p(b2)
+    for l in range(2):
+        torch.testing.assert_close(a[l][: first - 1], b[l][: first - 1])  # earlier tokens: unchanged
+        assert not torch.allclose(a[l][first - 1], b[l][first - 1])
+        torch.testing.assert_close(a[l][first:], b[l][first:])  # other samples: unchanged
+    # out-of-vocabulary ids fall into the unknown row instead of failing
+    b2["token_ids"] = ids + 10_000
+    assert p(b2)[0].isfinite().all()
+
+
+def test_draft_model_embedding_init_from_model_dir(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from specprefetch.predictors.draft_model import find_input_embeddings
+
+    table = torch.randn(50, 24)
+    save_file({"model.language_model.embed_tokens.weight": table, "lm_head.weight": torch.randn(50, 24)},
+              str(tmp_path / "model.safetensors"))
+    found = find_input_embeddings(tmp_path)
+    assert torch.equal(found, table)
+    p = build_predictor("draft_model", {"draft_model": {"num_layers": 1, "d_model": 8, "num_heads": 2}},
+                        PredictorDims(3, 24, 16, 4, vocab_size=50))
+    p.init_embeddings(found)
+    # PCA projection: the embedding keeps the table's geometry (rows stay distinguishable, unit scale)
+    emb = p.embed.weight[:50].detach()
+    assert abs(float(emb.std()) - 1.0) < 1e-3
+    assert find_input_embeddings(tmp_path / "nothing-here") is None
+
+
+# --------------------------------------------------------------------------------------------- save / load
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_save_load_roundtrip(method: str, batch: dict, corpus: Path, tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    p = build_predictor(method, {"draft_model": {"num_layers": 1, "d_model": 16, "num_heads": 2}}, DIMS)
+    p.fit_statistics(TraceReader(corpus))
+    for prm in p.parameters():  # make weights non-trivial (B starts at zero)
+        torch.nn.init.normal_(prm.data)
+    p.save(tmp_path / method, extra_meta={"model": MODEL})
+    q = load_predictor(tmp_path / method)
+    assert type(q) is type(p) and q.trainable_params() == p.trainable_params()
+    with torch.no_grad():
+        for a, b in zip(p.eval().priorities(batch), q.priorities(batch)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    meta = json.loads((tmp_path / method / "meta.json").read_text())
+    assert meta["method"] == method and meta["model"] == MODEL
+
+
+def test_load_rejects_corrupt_or_mismatched(tmp_path: Path) -> None:
+    p = build_predictor("specprefetch", None, DIMS)
+    p.save(tmp_path / "p")
+    w = tmp_path / "p" / "predictor.safetensors"
+    blob = bytearray(w.read_bytes())
+    blob[-1] ^= 0xFF
+    w.write_bytes(bytes(blob))
+    with pytest.raises(PredictorError, match="predictor.safetensors: sha256"):
+        load_predictor(tmp_path / "p")
+    with pytest.raises(PredictorError, match="meta.json: missing"):
+        load_predictor(tmp_path / "absent")
+    # weights of another shape than meta.json says
+    q = build_predictor("specprefetch", {"specprefetch": {"rank": 2}}, DIMS)
+    q.save(tmp_path / "q")
+    meta = json.loads((tmp_path / "q" / "meta.json").read_text())
+    meta["method_cfg"]["rank"] = 3
+    (tmp_path / "q" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(PredictorError, match="does not fit"):
+        load_predictor(tmp_path / "q")
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+def test_chunks_hold_whole_samples(corpus: Path) -> None:
+    sidx = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 3])
+    assert chunk_spans(sidx, 5) == [(0, 5), (5, 6), (6, 11)]
+    ds = TraceChunks(TraceReader(corpus), 64, seed=0)
+    seen = []
+    for b in ds:
+        assert b["token_ids"].shape[0] <= 64 or torch.unique(b["sample_index"]).numel() == 1
+        seen += torch.unique(b["sample_index"]).tolist()
+    assert sorted(seen) == list(range(40))  # every sample exactly once, never split
+    order = [tuple(torch.unique(b["sample_index"]).tolist()) for b in ds]
+    ds.set_epoch(1)
+    assert order != [tuple(torch.unique(b["sample_index"]).tolist()) for b in ds]
+
+
+def test_kl_loss_zero_for_perfect_prediction(batch: dict) -> None:
+    preds = [batch["logits"][l + 1] + 3.0 for l in range(2)]  # shift-invariant softmax
+    assert float(next_layer_kl(preds, batch["logits"])) < 1e-6
+    assert float(next_layer_kl([torch.zeros_like(p) for p in preds], batch["logits"])) > 0.1
+
+
+def _kl_on(pred_dir: Path, corpus: Path) -> float:
+    p = load_predictor(pred_dir)
+    with torch.no_grad():
+        losses = [float(next_layer_kl(p(b), b["logits"])) for b in iter_trace_batches(TraceReader(corpus), 10_000)]
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.parametrize("method", ["specprefetch", "single_mlp", "promoe", "draft_model"])
+def test_training_lowers_kl(method: str, cfg: dict, corpus: Path, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    init = build_predictor(method, cfg, PredictorDims.from_manifest(TraceReader(corpus).manifest, vocab_size=200))
+    with torch.no_grad():
+        before = sum(float(next_layer_kl(init(b), b["logits"]))
+                     for b in iter_trace_batches(TraceReader(corpus), 10_000))
+    meta = train_predictor(cfg, MODEL, method, corpus, tmp_path / method)
+    after = _kl_on(tmp_path / method, corpus)
+    assert after < 0.9 * before, (before, after)
+    assert meta["trainable_params"] == load_predictor(tmp_path / method).trainable_params()
+    assert len(meta["loss_curve"]) == meta["training"]["steps"] > 5
+    assert meta["final_loss"] < meta["loss_curve"][0]
+    saved = json.loads((tmp_path / method / "meta.json").read_text())
+    assert saved["provenance"]["seed"] == cfg["predictors"]["training"]["seed"]
+    assert saved["trained_on"]["n_tokens"] == TraceReader(corpus).n_tokens
+    assert not list(tmp_path.glob(".*.tmp"))  # atomic: no leftovers
+
+
+def test_training_is_deterministic(cfg: dict, corpus: Path, tmp_path: Path) -> None:
+    for run in ("a", "b"):
+        train_predictor(cfg, MODEL, "specprefetch", corpus, tmp_path / run)
+    a = (tmp_path / "a" / "predictor.safetensors").read_bytes()
+    b = (tmp_path / "b" / "predictor.safetensors").read_bytes()
+    assert a == b
+    other = copy.deepcopy(cfg)
+    other["predictors"]["training"]["seed"] = 1
+    train_predictor(other, MODEL, "specprefetch", corpus, tmp_path / "c")
+    assert (tmp_path / "c" / "predictor.safetensors").read_bytes() != a
+
+
+@pytest.mark.parametrize("method", ["fate", "frequency", "previous_token", "oracle"])
+def test_training_free_methods_just_save(method: str, cfg: dict, corpus: Path, tmp_path: Path) -> None:
+    meta = train_predictor(cfg, MODEL, method, corpus, tmp_path / method)
+    assert meta["trainable_params"] == 0 and meta["final_loss"] is None
+    p = load_predictor(tmp_path / method)
+    if method == "fate":
+        torch.testing.assert_close(p.weight[0], TraceReader(corpus).gate_weights()[1])
+
+
+def test_train_rejects_bad_input(cfg: dict, corpus: Path, tmp_path: Path) -> None:
+    with pytest.raises(SpecPrefetchError, match="unknown predictor method"):
+        train_predictor(cfg, MODEL, "lstm", corpus, tmp_path / "x")
+    with pytest.raises(SpecPrefetchError, match="tiny-deepseek-vl2"):
+        train_predictor(cfg, "tiny-deepseek-vl2", "fate", corpus, tmp_path / "x")  # trace of another model
+    with pytest.raises(SpecPrefetchError, match="manifest.json: missing"):
+        train_predictor(cfg, MODEL, "fate", tmp_path / "nope", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+# --------------------------------------------------------------------------------------------- online source
+
+
+@pytest.fixture(scope="module")
+def stand_in_dir(tmp_path_factory: pytest.TempPathFactory, smoke_cfg: dict, tiny_tokenizer: object) -> Path:
+    from specprefetch.models.standins import build_stand_in, save_stand_in
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("model") / MODEL
+    save_stand_in(build_stand_in(smoke_cfg, MODEL, tiny_tokenizer), out)
+    return out
+
+
+def _param_digest(model: torch.nn.Module) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_online_training_keeps_model_frozen(smoke_cfg: dict, stand_in_dir: Path, tiny_corpus_dir: Path,
+                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import specprefetch.models as models
+    from specprefetch.data.workloads import read_workload
+    from specprefetch.predictors.data import OnlineChunks
+    from specprefetch.traces.extract import extract_traces
+
+    cfg = copy.deepcopy(smoke_cfg)
+    cfg["predictors"]["training"].update(source="online", batch_tokens=128, lr=1e-2)
+    bundle = models.load_bundle(cfg, MODEL, stand_in_dir)
+    before = _param_digest(bundle.model)
+    monkeypatch.setattr(models, "load_bundle", lambda *a, **k: bundle)  # hold the very model that is used
+    meta = train_predictor(cfg, MODEL, "specprefetch", None, tmp_path / "online", model_dir=stand_in_dir,
+                           corpus_dir=tiny_corpus_dir)
+    assert _param_digest(bundle.model) == before
+    assert all(not p.requires_grad and p.grad is None for p in bundle.model.parameters())
+    assert meta["training"]["source"] == "online" and meta["training"]["steps"] >= 3
+    assert meta["final_loss"] < meta["loss_curve"][0]
+    assert load_predictor(tmp_path / "online").trainable_params() == 2 * 16 * (32 + 16)
+    # the online stream routes each sample exactly as trace extraction stores it
+    trace = extract_traces(cfg, MODEL, stand_in_dir, tiny_corpus_dir, tmp_path / "trace")
+    assert trace["n_tokens"] > 0
+    stream = OnlineChunks(bundle, read_workload(tiny_corpus_dir), tiny_corpus_dir, 128, cfg["traces"], shuffle=False)
+    first = stream.materialize([stream.chunks[0]])
+    stored = next(iter_trace_batches(TraceReader(tmp_path / "trace"), first["token_ids"].shape[0]))
+    for key in ("token_ids", "sample_index", "position", "is_image", "is_prompt"):
+        assert torch.equal(first[key].to(stored[key].dtype), stored[key]), key
+    for key in ("x", "logits", "topk"):
+        for a, b in zip(first[key], stored[key]):
+            assert torch.equal(a.to(b.dtype), b), key
+    # training-free methods can fit from the live model too (no traces)
+    fate = train_predictor(cfg, MODEL, "fate", None, tmp_path / "fate", model_dir=stand_in_dir,
+                           corpus_dir=tiny_corpus_dir)
+    assert fate["training"]["source"] == "online"
+    torch.testing.assert_close(load_predictor(tmp_path / "fate").weight[0], TraceReader(tmp_path / "trace").gate_weights()[1])
+    with pytest.raises(SpecPrefetchError, match="--corpus"):
+        train_predictor(cfg, MODEL, "specprefetch", None, tmp_path / "x", model_dir=stand_in_dir)
+
+
+def test_draft_model_takes_embeddings_from_model_dir(cfg: dict, corpus: Path, stand_in_dir: Path,
+                                                     tmp_path: Path) -> None:
+    from specprefetch.predictors.draft_model import find_input_embeddings, project_embeddings
+
+    small = copy.deepcopy(cfg)
+    small["predictors"]["training"]["epochs"] = 0.01  # one step: the embedding barely moves
+    small["predictors"]["training"]["lr"] = 1e-6
+    meta = train_predictor(small, MODEL, "draft_model", corpus, tmp_path / "d", model_dir=stand_in_dir)
+    table = find_input_embeddings(stand_in_dir)
+    assert meta["dims"]["vocab_size"] == max(table.shape[0], 1024)  # model rows vs the smoke tokenizer size
+    emb = load_predictor(tmp_path / "d").embed.weight[: table.shape[0]]
+    torch.testing.assert_close(emb, project_embeddings(table.float(), 32), atol=1e-4, rtol=0)

@@ -1,0 +1,447 @@
+"""Offloaded MoE runtime: expert store, cache, prefetcher, storage, window profiling, simulator, external logs.
+
+Everything runs on tiny random transformers MoE models (Qwen3-MoE: fused experts, every layer MoE; DeepSeek-V2:
+first layer dense, shared experts) built here, so the tests need no pipeline output.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from specprefetch.runtime.cache import CacheError, ExpertCache
+from specprefetch.runtime.engine import POLICIES, OffloadedRuntime, RuntimeOptions
+from specprefetch.runtime.priority import (
+    PredictorPriority,
+    PreviousTokenPriority,
+    fate_from_model,
+    select_prefetch,
+)
+from specprefetch.runtime.storage import ExpertReader, FaultInjector, make_profile
+from specprefetch.runtime.store import ExpertStore, StoreError, build_expert_store
+from specprefetch.runtime.timeline import LayerEvent, ready_recall_of, summarize
+
+VOCAB = 96
+
+
+def tiny_qwen() -> Any:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_experts=16, num_experts_per_tok=4, max_position_embeddings=128)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    model.set_experts_implementation("eager")
+    return model
+
+
+def tiny_deepseek() -> Any:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(1)
+    cfg = DeepseekV2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                           num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=12,
+                           n_shared_experts=1, num_experts_per_tok=3, first_k_dense_replace=1, kv_lora_rank=8,
+                           q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                           max_position_embeddings=128, topk_method="greedy", n_group=None, topk_group=None)
+    model = DeepseekV2ForCausalLM(cfg).eval()
+    model.set_experts_implementation("eager")
+    return model
+
+
+def random_adapter(spec: Any, seed: int = 0) -> Any:
+    """A SpecPrefetch adapter with random (non-zero) weights: some ranking, not a trained one."""
+    from specprefetch.predictors.base import PredictorDims, build_predictor
+
+    torch.manual_seed(seed)
+    dims = PredictorDims(n_layers=spec.n_layers, hidden_size=spec.hidden_size, n_experts=spec.n_experts,
+                         top_k=spec.top_k, scoring=spec.scoring, arch=spec.arch)
+    pred = build_predictor("specprefetch", {"specprefetch": {"rank": 4}}, dims)
+    with torch.no_grad():
+        pred.B.normal_()
+    return pred
+
+
+def provider_for(policy: str, spec: Any) -> Any:
+    if policy == "naive":
+        return PreviousTokenPriority(spec.n_layers, spec.n_experts)
+    if policy == "fate":
+        return PredictorPriority(fate_from_model(spec))
+    if policy in ("specprefetch", "pred0"):
+        return PredictorPriority(random_adapter(spec))
+    return None
+
+
+@pytest.fixture(scope="module", params=["qwen", "deepseek"])
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from specprefetch.models.routing import discover_routing
+
+    model = tiny_qwen() if request.param == "qwen" else tiny_deepseek()
+    spec = discover_routing(model)
+    store = ExpertStore(build_expert_store(model, tmp_path_factory.mktemp("store") / "experts", model_name="t"))
+    torch.manual_seed(5)
+    ids = torch.randint(0, VOCAB, (1, 10))
+    ref = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    return {"model": model, "spec": spec, "store": store, "ids": ids, "ref": ref, "name": request.param}
+
+
+def run_policy(s: dict[str, Any], policy: str, storage: str = "ram", m_max: int = 4, capacity: int = 0,
+               compute_opt: bool = True, faults: FaultInjector | None = None, sync: bool = False,
+               io_workers: int = 2, record: bool = False) -> tuple[torch.Tensor, OffloadedRuntime]:
+    store = s["store"]
+    prof = make_profile(storage, {"charge": "real"}, store.layout.payload_bytes)
+    reader = ExpertReader(store, prof, faults=faults, verify=True)
+    cap = capacity or 2 * s["spec"].top_k + m_max
+    opts = RuntimeOptions(policy=policy, m_max=m_max, capacity=cap, compute_opt=compute_opt, io_workers=io_workers,
+                          sync_prefetch=sync, record_routing=record)
+    rt = OffloadedRuntime(s["model"], store, reader, opts, provider_for(policy, s["spec"]), spec=s["spec"])
+    try:
+        rt.install()
+        rt.reset_run()
+        out = s["model"].generate(s["ids"], max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    finally:
+        rt.uninstall()
+        rt.close()
+        reader.close()
+    return out, rt
+
+
+# ------------------------------------------------------------------------------------------ store
+def test_store_layout_and_verification(setup: dict[str, Any]) -> None:
+    store = setup["store"]
+    m = store.manifest
+    assert m["n_layers"] == setup["spec"].n_layers and m["n_experts"] == setup["spec"].n_experts
+    assert store.record_bytes % 4096 == 0 and store.record_bytes >= store.layout.payload_bytes
+    blocks = __import__("specprefetch.runtime.store", fromlist=["find_moe_blocks"]).find_moe_blocks(setup["model"])
+    # a record is exactly the expert's weights
+    for layer in (0, store.n_layers - 1):
+        rec = torch.frombuffer(bytearray(next(iter(dict(store.read_all(layer)).values()))), dtype=torch.uint8)
+        gu, dn = store.layout.views(rec)
+        assert torch.equal(gu, blocks[layer].experts.gate_up_proj[0].detach())
+        assert torch.equal(dn, blocks[layer].experts.down_proj[0].detach())
+    assert (store.files[0].stat().st_size == store.record_bytes * store.n_experts)
+
+
+def test_corrupt_store_is_rejected(setup: dict[str, Any], tmp_path: Path) -> None:
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(setup["store"].root, bad)
+    f = bad / "layer-001.bin"
+    data = bytearray(f.read_bytes())
+    data[setup["store"].record_bytes * 2 + 5] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=r"layer-001\.bin.*expert 2"):
+        ExpertStore(bad)
+    f.write_bytes(bytes(data[:-10]))
+    with pytest.raises(StoreError, match="truncated"):
+        ExpertStore(bad, verify=False)
+
+
+# ------------------------------------------------------------------------------------------ runtime
+@pytest.mark.parametrize("compute_opt", [False, True])
+def test_identical_tokens_for_every_policy(setup: dict[str, Any], compute_opt: bool) -> None:
+    """The router decides: every policy, prefetch on or off, produces the plain model's greedy tokens."""
+    for policy in POLICIES:
+        out, rt = run_policy(setup, policy, compute_opt=compute_opt)
+        assert torch.equal(out, setup["ref"]), f"{setup['name']} {policy} compute_opt={compute_opt}"
+        st = rt.stats()
+        assert st.n_tokens == 11 and 0.0 <= st.ready_recall <= 1.0
+        if policy == "resident":
+            assert st.ready_recall == 1.0 and st.misses == 0
+        if policy in ("off", "pred0", "resident"):
+            assert st.prefetched == 0 and not any(tr.kind == "prefetch" for tr in rt.engine.log)
+        if policy in ("specprefetch", "fate"):
+            assert st.prefetched > 0
+
+
+def test_cache_never_exceeds_capacity(setup: dict[str, Any]) -> None:
+    k = setup["spec"].top_k
+    for capacity in (k, k + 2):
+        out, rt = run_policy(setup, "specprefetch", storage="nvme", m_max=6, capacity=capacity, compute_opt=False)
+        assert torch.equal(out, setup["ref"])
+        assert rt.cache.peak_used <= capacity
+        assert rt.pool.data.shape[0] == capacity  # the bytes themselves are bounded
+        assert rt.cache.evictions > 0
+
+
+def test_io_errors_are_retried_or_served_on_demand(setup: dict[str, Any]) -> None:
+    faults = FaultInjector(rate=0.3, seed=3)
+    out, rt = run_policy(setup, "specprefetch", faults=faults, io_workers=3)
+    assert torch.equal(out, setup["ref"])
+    assert faults.failures > 0 and rt.stats().io_errors == faults.failures
+    # a prefetch whose every attempt fails is dropped; the expert is then loaded on demand
+    faults = FaultInjector(fail_keys={(1, e) for e in range(setup["spec"].n_experts)}, max_failures=9)
+    out, rt = run_policy(setup, "fate", faults=faults)
+    assert torch.equal(out, setup["ref"])
+    assert any(tr.state == "failed" for tr in rt.engine.log)
+
+
+def test_unreadable_expert_raises_never_wrong_output(setup: dict[str, Any]) -> None:
+    from specprefetch.runtime.storage import StorageError
+
+    faults = FaultInjector(fail_keys={(0, e) for e in range(setup["spec"].n_experts)})
+    with pytest.raises(StorageError, match="could not be read"):
+        run_policy(setup, "off", faults=faults)
+
+
+def test_m_max_zero_equals_off(setup: dict[str, Any]) -> None:
+    out_off, off = run_policy(setup, "off", m_max=0, capacity=setup["spec"].top_k + 3, sync=True, io_workers=1)
+    out_sp, sp = run_policy(setup, "specprefetch", m_max=0, capacity=setup["spec"].top_k + 3, sync=True,
+                            io_workers=1)
+    assert torch.equal(out_off, out_sp)
+    a, b = off.stats(), sp.stats()
+    assert (a.hits, a.misses, a.prefetched, a.ready_recall) == (b.hits, b.misses, b.prefetched, b.ready_recall)
+    assert b.prefetched == 0
+
+
+def test_ready_recall_on_scripted_timeline() -> None:
+    # K = 2; layer 0 is not a target layer of the definition, layers 1 and 2 are.
+    evs = [
+        LayerEvent(step=0, layer=0, n_tokens=1, t_exec=0.0, required=[0, 1], hits=0, inflight=0, misses=2,
+                   ready_pairs=0),
+        LayerEvent(step=0, layer=1, n_tokens=1, t_exec=1.0, required=[2, 3], hits=1, inflight=1, misses=0,
+                   ready_pairs=1),
+        LayerEvent(step=0, layer=2, n_tokens=1, t_exec=2.0, required=[4, 5], hits=2, inflight=0, misses=0,
+                   ready_pairs=2),
+        LayerEvent(step=1, layer=1, n_tokens=1, t_exec=3.0, required=[2, 7], hits=0, inflight=0, misses=2,
+                   ready_pairs=0),
+        # a prefill event (3 tokens) is not a decoding step
+        LayerEvent(step=2, layer=1, n_tokens=3, t_exec=4.0, required=[1, 2], hits=2, inflight=0, misses=0,
+                   ready_pairs=6),
+    ]
+    # hand computation: (1/2 + 2/2 + 0/2) / 3 target (token, layer) pairs = 0.5
+    assert summarize(evs, top_k=2).ready_recall == pytest.approx(0.5)
+    assert ready_recall_of([[2, 3]], {3, 9}, 2) == 0.5
+    assert ready_recall_of([[1, 2], [2, 4]], {2}, 2) == 0.5
+
+
+def test_ready_recall_measured_matches_definition(setup: dict[str, Any]) -> None:
+    """Recorded events: ReadyRecall recomputed from each event's top-k and its hits equals the summary."""
+    _, rt = run_policy(setup, "fate", record=True)
+    st = rt.stats()
+    k = setup["spec"].top_k
+    vals = [ev.hits / k for ev in rt.events if ev.n_tokens == 1 and ev.layer >= 1]
+    assert st.ready_recall == pytest.approx(sum(vals) / len(vals))
+
+
+def test_select_prefetch_excludes_available_and_keeps_priority_order() -> None:
+    s = torch.tensor([0.1, 0.9, 0.5, 0.7, 0.0, 0.3])
+    assert select_prefetch(s, {1}, 3) == [3, 2, 5]
+    assert select_prefetch(s, set(), 0) == []
+    assert select_prefetch(s, {1, 3}, 10, empty_when_zero=True) == [2, 5, 0]
+
+
+def test_cache_bookkeeping() -> None:
+    c = ExpertCache(2)
+    assert c.reserve((0, 1)) is not None and c.reserve((0, 2)) is not None
+    c.fill((0, 1))
+    c.pin((0, 1))
+    assert c.reserve((0, 3)) is None  # (0,1) pinned, (0,2) in flight
+    c.fill((0, 2))
+    assert c.reserve((0, 3), protect={(0, 2)}, last_resort=False) is None
+    assert c.reserve((0, 3)) is not None  # last resort: the protected, unpinned one
+    assert not c.is_resident((0, 2)) and c.is_resident((0, 1)) and c.used == 2
+    with pytest.raises(CacheError):
+        c.unpin((0, 3))
+
+
+# ------------------------------------------------------------------------------------------ simulator
+@pytest.mark.parametrize("policy", ["off", "specprefetch", "naive", "fate", "pred0"])
+def test_simulator_matches_runtime_counters(setup: dict[str, Any], policy: str) -> None:
+    """Deterministic case (one I/O worker, every transfer completes before the next layer): same counters."""
+    from specprefetch.runtime.simulator import ComputeProfile, sequences_from_events, simulate
+    from specprefetch.runtime.storage import StorageProfile
+
+    k, n_layers = setup["spec"].top_k, setup["spec"].n_layers
+    cap = k + 3
+    _, rt = run_policy(setup, policy, m_max=3, capacity=cap, sync=True, io_workers=1, record=True)
+    seqs = sequences_from_events(rt.events, n_layers)
+    zero = [0.0] * n_layers
+    prof = ComputeProfile(zero, zero, zero, [1e-3] * n_layers, zero, 1e-3)
+    sim = simulate(seqs, policy, 3, cap, setup["spec"].n_experts, k, prof, StorageProfile("ram", "ram"),
+                   io_workers=1, compute_opt=True, sync=True, fixed_transfer_s=0.0)
+    a, b = rt.stats(), sim.stats
+    for field_name in ("n_tokens", "hits", "misses", "inflight", "demand_loads", "prefetched", "wasted", "cancelled"):
+        assert getattr(a, field_name) == getattr(b, field_name), field_name
+    assert a.ready_recall == pytest.approx(b.ready_recall)
+    assert b.peak_cache_experts <= cap
+
+
+def test_simulator_overlap_and_budget() -> None:
+    """Timing logic on a scripted sequence: prefetching hides transfers inside the window, over-budget stalls."""
+    from specprefetch.runtime.simulator import ComputeProfile, SimSequence, SimStep, simulate
+    from specprefetch.runtime.storage import StorageProfile
+
+    n_layers, n, k = 3, 8, 2
+    rng = torch.Generator().manual_seed(0)
+    steps = []
+    for _ in range(20):
+        topk = [[sorted(torch.randperm(n, generator=rng)[:k].tolist())] for _ in range(n_layers)]
+        scores = [None] * n_layers
+        for l in range(n_layers - 1):  # an oracle priority: the next layer's true experts first
+            s = torch.zeros(n)
+            s[topk[l + 1][0]] = 1.0
+            scores[l] = s
+        steps.append(SimStep(topk=topk, scores=scores))
+    seqs = [SimSequence(steps)]
+    prof = ComputeProfile([1e-5] * 3, [1e-5] * 3, [0.0] * 3, [1e-3] * 3, [1e-3] * 3, 1e-3)
+    storage = StorageProfile("nvme", "emulated", 1000.0, 0.0, 0.4e6)  # 0.4 ms per expert
+    off = simulate(seqs, "off", 0, 2 * k, n, k, prof, storage, io_workers=2)
+    sp = simulate(seqs, "specprefetch", k, 2 * k, n, k, prof, storage, io_workers=2)
+    res = simulate(seqs, "resident", 0, 2 * k, n, k, prof, storage, io_workers=2)
+    assert sp.stats.ready_recall > off.stats.ready_recall
+    assert off.tokens_per_s < sp.tokens_per_s <= res.tokens_per_s * 1.0001
+    assert res.stats.ready_recall == 1.0 and res.stats.stall_ms == 0.0
+    # per decoding step the OFF stall is at least the serial data time of its demand loads (bandwidth model)
+    assert off.stats.stall_ms >= 0.4 * off.stats.demand_loads / 2 - 1e-6
+
+
+# ------------------------------------------------------------------------------------------ external logs
+def _external_rows() -> list[dict[str, Any]]:
+    base = {"platform": "snapdragon_8_elite", "model": "deepseek-vl2-tiny", "experiment": "main", "storage": "nvme_cold",
+            "compute_opt": "true", "repeat": 0}
+    return [{**base, "policy": "off", "m_max": 0, "tokens_per_s": 3.75, "ready_recall": ""},
+            {**base, "policy": "specprefetch", "m_max": 8, "tokens_per_s": 4.05, "ready_recall": 0.917}]
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def test_external_log_is_validated_and_merged(tmp_path: Path) -> None:
+    from specprefetch.runtime.external import collect_device_benchmarks, read_external_log
+
+    good = _write_csv(tmp_path / "phone.csv", _external_rows())
+    rows = read_external_log(good)
+    assert [r["source"] for r in rows] == ["external:phone.csv"] * 2 and rows[1]["ready_recall"] == 0.917
+    jl = tmp_path / "phone2.jsonl"
+    jl.write_text("\n".join(json.dumps({**r, "platform": "phone2"}) for r in _external_rows()) + "\n")
+    out = tmp_path / "runs.csv"
+    merged = collect_device_benchmarks([], [good, jl], out)
+    assert len(merged) == 4 and out.read_text().splitlines()[0].startswith("platform,model,experiment")
+
+
+@pytest.mark.parametrize("bad,line,what", [
+    ({"ready_recall": 91.7}, 3, "ready_recall"),
+    ({"policy": "oracle"}, 3, "policy"),
+    ({"tokens_per_s": -1}, 3, "tokens_per_s"),
+    ({"m_max": "eight"}, 3, "m_max"),
+    ({"compute_opt": "maybe"}, 3, "compute_opt"),
+])
+def test_malformed_external_log_names_file_and_line(tmp_path: Path, bad: dict[str, Any], line: int,
+                                                    what: str) -> None:
+    from specprefetch.runtime.external import ExternalLogError, read_external_log
+
+    rows = _external_rows()
+    rows[1] = {**rows[1], **bad}
+    path = _write_csv(tmp_path / "bad.csv", rows)
+    with pytest.raises(ExternalLogError, match=rf"bad\.csv:{line}: .*{what}"):
+        read_external_log(path)
+    jl = tmp_path / "bad.jsonl"
+    jl.write_text(json.dumps(rows[0]) + "\n" + "{not json\n")
+    with pytest.raises(ExternalLogError, match=r"bad\.jsonl:2: not valid JSON"):
+        read_external_log(jl)
+    dup = _write_csv(tmp_path / "dup.csv", [rows[0], rows[0]])
+    with pytest.raises(ExternalLogError, match=r"dup\.csv:3: duplicate run"):
+        read_external_log(dup)
+
+
+# ------------------------------------------------------------------------------------------ window + bench + simulate
+def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
+    """The rules' library path on a tiny model: window files per the contract, runs rows, simulator replay."""
+    import csv
+
+    from specprefetch.models.routing import discover_routing
+    from specprefetch.runtime.bench import RUN_COLUMNS, bench_runtime
+    from specprefetch.runtime.commands import provider_factories
+    from specprefetch.runtime.decode import Prompt
+    from specprefetch.runtime.session import Harness
+    from specprefetch.runtime.settings import DEVICE_DEFAULTS, _merge
+    from specprefetch.runtime.simrun import summarize_validation, validate_simulator
+    from specprefetch.runtime.window import profile_window
+
+    model = tiny_deepseek()
+    spec = discover_routing(model)
+    store = ExpertStore(build_expert_store(model, tmp_path / "store", spec))
+    s = _merge(DEVICE_DEFAULTS, {"n_prompts": 1, "max_new_tokens": 5, "repeats": 1, "io_workers": 2,
+                                 "storages": ["nvme_cold", "slow_ufs"], "experiments": ["main", "component"],
+                                 "window": {"n_prompts": 1, "demand_m": [2, 4], "transfer_samples": 8},
+                                 "cache": {"capacity_experts": 8}})
+    prompts = [Prompt("p0", {"input_ids": torch.randint(0, VOCAB, (1, 6)), "attention_mask": torch.ones(1, 6).long()})]
+    providers = provider_factories({}, spec, "cpu")
+    adapter = random_adapter(spec)
+    providers["specprefetch"] = lambda: PredictorPriority(adapter)
+    h = Harness(model, spec, store, s, prompts, providers)
+    try:
+        prof = profile_window(h, "tiny", "test-cpu", tmp_path / "window")
+        assert 1 <= prof["m_max"] <= spec.n_experts and prof["window_ms_mean"] > 0
+        rows = bench_runtime(h, prof, "tiny", "test-cpu", tmp_path / "runs.csv", routing_out=tmp_path / "r.pt")
+    finally:
+        h.close()
+    with open(tmp_path / "window" / "window.csv") as f:
+        win = list(csv.DictReader(f))
+    assert list(win[0]) == ["platform", "model", "layer", "window_ms", "transfer_ms", "m_max"]
+    assert [int(r["layer"]) for r in win] == list(range(1, spec.n_layers))
+    with open(tmp_path / "window" / "window_events.csv") as f:
+        assert {r["M"] for r in csv.DictReader(f)} == {"2", "4"}
+    with open(tmp_path / "window" / "latency.csv") as f:
+        lat = list(csv.DictReader(f))
+    assert {r["mode"] for r in lat} == {"resident", "on_demand"}
+    assert {r["component"] for r in lat} == {"attention", "router", "expert_load", "moe_compute", "other"}
+    with open(tmp_path / "runs.csv") as f:
+        got = list(csv.DictReader(f))
+    assert list(got[0])[:17] == RUN_COLUMNS[:17] and len(got) == len(rows) == 6 + 4
+    assert {r["policy"] for r in got if r["experiment"] == "main"} == set(POLICIES)
+    assert {(r["compute_opt"], r["policy"]) for r in got if r["experiment"] == "component"} == {
+        ("false", "off"), ("false", "specprefetch"), ("true", "off"), ("true", "specprefetch")}
+    for r in got:
+        assert float(r["tokens_per_s"]) > 0 and 0 <= float(r["ready_recall"]) <= 1 and r["tokens_match"] == "true"
+        assert int(r["peak_cache_experts"]) <= int(r["capacity_experts"])
+    record = torch.load(tmp_path / "r.pt", weights_only=False)
+    val = validate_simulator(record, prof, s)
+    err = summarize_validation(val)
+    assert len(val) == len(record["runs"]) * 7 and all(v == v for v in (err["tokens_per_s"], err["hits"]))
+
+
+# ------------------------------------------------------------------------------------------ lm-eval
+def test_lm_eval_scores_equal_plain_model(tmp_path: Path, tiny_tokenizer: Any) -> None:
+    """lm-eval through the offloaded runtime: same generations and scores as the plain model, every policy."""
+    from types import SimpleNamespace
+
+    from specprefetch.data.lm_eval_tasks import write_lm_eval_task
+    from specprefetch.models.routing import discover_routing
+    from specprefetch.runtime.commands import provider_factories
+    from specprefetch.runtime.lm_eval_model import evaluate_offloaded
+    from specprefetch.runtime.settings import DEVICE_DEFAULTS, _merge
+    from tests.conftest import write_tiny_workload
+
+    wdir = write_tiny_workload(tmp_path / "workloads" / "gsm8k", 3, 32, seed=4, split="test", benchmark="gsm8k")
+    write_lm_eval_task(wdir, "tiny_gsm8k")
+    model = tiny_qwen()
+    model.resize_token_embeddings(len(tiny_tokenizer))
+    spec = discover_routing(model)
+    store = ExpertStore(build_expert_store(model, tmp_path / "store", spec))
+    cfg = {"workloads": {"gsm8k": {"lm_eval_task": "tiny_gsm8k"}}}
+    s = _merge(DEVICE_DEFAULTS, {"accuracy": {"policies": ["off", "specprefetch", "naive", "resident"], "limit": 2,
+                                              "max_gen_toks": 6}, "m_max": 3, "cache": {"capacity_experts": 8}})
+    providers = provider_factories({}, spec, "cpu")
+    adapter = random_adapter(spec)
+    providers["specprefetch"] = lambda: PredictorPriority(adapter)
+    bundle = SimpleNamespace(model=model, tokenizer=tiny_tokenizer, routing=spec)
+    rows = evaluate_offloaded(cfg, s, "tiny", bundle, store, providers, tmp_path / "workloads", tmp_path / "acc.csv")
+    assert {r["policy"] for r in rows} == {"off", "specprefetch", "naive", "resident"}
+    for r in rows:
+        assert r["equal_outputs"] and r["equal_score"] and r["n_samples"] == 2 and r["moe_layer_calls"] > 0
+    assert any(r["expert_loads"] > 0 for r in rows if r["policy"] == "off")
