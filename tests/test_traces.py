@@ -192,6 +192,8 @@ def test_manifest_fields_and_dtypes(tmp_path):
     assert st["n_tokens"] == m["n_tokens"]
     assert st["bytes_per_token_per_layer"] == D * 2 + N * 2 + K * 4
     assert 0 < st["image_token_share"] < 1 and st["bytes_per_token"] > L * st["bytes_per_token_per_layer"]
+    n_img = sum(int(s["is_image"].sum()) for s in samples)
+    assert st["image_token_share"] == n_img / m["n_tokens"] and m["n_image_tokens"] == n_img
 
 
 def test_writer_memory_is_bounded_by_one_shard(tmp_path):

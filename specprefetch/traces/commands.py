@@ -13,6 +13,10 @@ def _cmd_extract(args: argparse.Namespace) -> None:
     from specprefetch.traces.extract import extract_traces
 
     cfg = load_args_config(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     extract_traces(cfg, args.model, args.model_dir, args.workload_dir, args.out, device=args.device)
 
 
@@ -38,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload-dir", required=True, type=Path, help="workload directory (samples.jsonl)")
     p.add_argument("--out", required=True, type=Path, help="trace directory to write (atomically)")
     p.add_argument("--device", default="cpu", help="torch device for the forward passes")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (pass the rule's {threads}: on an oversubscribed CPU more threads "
+                        "than free cores makes every op wait for a time slice)")
     p.set_defaults(func=_cmd_extract)
 
     p = sub.add_parser("verify-traces", help="check every file of a trace against its manifest (sha256)")

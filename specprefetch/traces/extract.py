@@ -308,8 +308,8 @@ def extract_traces(cfg: dict[str, Any], model_name: str, model_dir: Path | None,
             device=str(device), profile=cfg.get("profile"),
         ),
     }
-    log.info("extracting %s traces of %s on %s (%d samples, mode %s) -> %s", mode, model_name,
-             workload_dir.name, len(samples), mode, out_dir)
+    log.info("extracting %s traces of %s on %s (%d samples) -> %s", mode, model_name, workload_dir.name,
+             len(samples), out_dir)
     start = time.perf_counter()
     with TraceWriter(out_dir, meta, int(tcfg["shard_tokens"]), input_dtype, logits_dtype) as writer, \
             torch.inference_mode():

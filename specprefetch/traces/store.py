@@ -118,6 +118,8 @@ class TraceWriter:
         self.max_buffered_tokens = 0
         self.n_samples = 0
         self.n_tokens = 0
+        self.n_image_tokens = 0
+        self.n_prompt_tokens = 0
         self._shards: list[dict[str, Any]] = []
         self._cm: Any = None
         self._tmp: Path | None = None
@@ -192,6 +194,8 @@ class TraceWriter:
         self._buffer.append(entry)
         self.buffered_tokens += t
         self.n_tokens += t
+        self.n_image_tokens += int(entry["is_image"].sum())
+        self.n_prompt_tokens += int(entry["is_prompt"].sum())
         self.max_buffered_tokens = max(self.max_buffered_tokens, self.buffered_tokens)
         if self.buffered_tokens >= self.shard_tokens:
             self._flush()
@@ -205,7 +209,9 @@ class TraceWriter:
         for name, seq in (("x", x), ("logits", logits), ("topk", topk)):
             if len(seq) != self.n_layers:
                 raise SpecPrefetchError(f"{where}: {name} has {len(seq)} layers, expected {self.n_layers}")
-        t = per_token[0].shape[0] if per_token[0].dim() == 1 else -1
+        if per_token[0].dim() != 1:
+            raise SpecPrefetchError(f"{where}: token_ids has shape {tuple(per_token[0].shape)}, expected [T]")
+        t = int(per_token[0].shape[0])
         expect = {"x": (t, self.hidden_size), "logits": (t, self.n_experts), "topk": (t, self.top_k)}
         for name, seq in (("x", x), ("logits", logits), ("topk", topk)):
             for i, v in enumerate(seq):
@@ -254,6 +260,8 @@ class TraceWriter:
             "n_moe_layers": self.n_layers,
             "n_tokens": self.n_tokens,
             "n_samples": self.n_samples,
+            "n_image_tokens": self.n_image_tokens,
+            "n_prompt_tokens": self.n_prompt_tokens,
             "shard_tokens": self.shard_tokens,
             "dtypes": {"x": dtype_name(self.input_dtype), "logits": dtype_name(self.logits_dtype),
                        "topk": dtype_name(TOPK_DTYPE), **{k: dtype_name(d) for k, d in TOKEN_KEYS.items()}},
@@ -471,7 +479,7 @@ class TraceReader:
 
 
 def trace_stats(trace_dir: str | Path) -> dict[str, Any]:
-    """Size and composition of a trace, from the manifest and the per-token flags (no hashing).
+    """Size and composition of a trace, from its manifest (no shard is read or hashed).
 
     ``bytes_per_token`` is measured on disk (all shards / tokens); ``bytes_per_token_per_layer`` is the
     per-layer payload (x + logits + topk) implied by the dtypes, i.e. what one more MoE layer costs.
@@ -479,10 +487,13 @@ def trace_stats(trace_dir: str | Path) -> dict[str, Any]:
     reader = TraceReader(trace_dir, verify=False)
     m = reader.manifest
     n_tok = max(reader.n_tokens, 1)
-    n_img = n_prompt = 0
-    for shard in reader.iter_shards():
-        n_img += int(shard["is_image"].sum())
-        n_prompt += int(shard["is_prompt"].sum())
+    if "n_image_tokens" in m and "n_prompt_tokens" in m:
+        n_img, n_prompt = int(m["n_image_tokens"]), int(m["n_prompt_tokens"])
+    else:  # a manifest without the writer's counts: scan the flags
+        n_img = n_prompt = 0
+        for shard in reader.iter_shards():
+            n_img += int(shard["is_image"].sum())
+            n_prompt += int(shard["is_prompt"].sum())
     shard_bytes = sum(int(s["bytes"]) for s in m["shards"])
     item = {k: torch.empty((), dtype=d).element_size() for k, d in reader._dtypes.items()}
     per_layer = (reader.hidden_size * item["x"] + reader.n_experts * item["logits"] + reader.top_k * item["topk"])

@@ -14,10 +14,10 @@ rule extract_traces:
         "logs/extract_traces/{model}/{workload}.log",
     benchmark:
         "benchmarks/extract_traces/{model}/{workload}.tsv"
-    threads: 2
+    threads: 1
     resources:
         **P.resources("extract_traces"),
     shell:
         "export OMP_NUM_THREADS={threads}; "
         "{SP} extract-traces --config {CFG} --model {wildcards.model} {params.model_dir} "
-        "--workload-dir {input.workload} --out {output} 2>&1 | tee {log}"
+        "--workload-dir {input.workload} --threads {threads} --out {output} 2>&1 | tee {log}"
