@@ -3,6 +3,8 @@
 #   snakemake --cores all paper_tables --configfile config/paper.yaml  # the paper's setup (GPUs, hub)
 # Every rule is one call into the `specprefetch` CLI; all logic lives in the library.
 
+import sys
+
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -25,7 +27,9 @@ try:
 except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
 CFG = P.config_path
-SP = "specprefetch"  # the CLI; `python -m specprefetch.cli` works too
+# The CLI, run by the Python that runs Snakemake (works without an activated venv, and on cluster nodes
+# that share the file system).
+SP = f"{sys.executable} -m specprefetch"
 
 
 wildcard_constraints:
@@ -38,6 +42,8 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/traces.smk"
 include: "workflow/rules/predictors.smk"
+include: "workflow/rules/device.smk"
+include: "workflow/rules/render.smk"
 
 
 localrules:
@@ -46,8 +52,14 @@ localrules:
     gather_params,
 
 
+if (msg := RT.skipped_pdf_message(P.cfg)) is not None:
+    print(msg, file=sys.stderr)
+
+
 rule paper_tables:
-    """Everything the paper's tables and figures are made from (the renderer is added by the paper_tables stage)."""
+    """Tables 1-5, Figures 1, 4, 5, 6, the comparison with the paper, the preview, and the checks behind them."""
     input:
         P.paper_table_inputs(),
+        RT.all_outputs(P.cfg),
+        expand("results/device/accuracy/{model}.csv", model=DEV_MODELS),
     default_target: True

@@ -125,6 +125,14 @@ class Pipeline:
                             "paper": {"mem_mb": 128000, "runtime": 1440, "gpu": 1}},
         "evaluate_recall": {"cpu": {"mem_mb": 4000, "runtime": 30},
                             "paper": {"mem_mb": 64000, "runtime": 240, "gpu": 1}},
+        "build_expert_store": {"cpu": {"mem_mb": 2000, "runtime": 20}, "paper": {"mem_mb": 128000, "runtime": 120}},
+        "profile_window": {"cpu": {"mem_mb": 4000, "runtime": 30},
+                           "paper": {"mem_mb": 128000, "runtime": 120, "gpu": 1}},
+        "bench_runtime": {"cpu": {"mem_mb": 4000, "runtime": 120},
+                          "paper": {"mem_mb": 128000, "runtime": 720, "gpu": 1}},
+        "simulate_device": {"cpu": {"mem_mb": 4000, "runtime": 30}, "paper": {"mem_mb": 32000, "runtime": 120}},
+        "evaluate_offloaded": {"cpu": {"mem_mb": 4000, "runtime": 60},
+                               "paper": {"mem_mb": 128000, "runtime": 720, "gpu": 1}},
     }
 
     def resources(self, rule: str) -> dict[str, int]:

@@ -505,3 +505,34 @@ def test_cli_inspect_model(saved_standins: Any, capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     info = json.loads(out[out.index("{"):])
     assert info["arch"] == "deepseek_vl2_standin" and info["moe_layers"] == [1, 2] and info["n_shared_experts"] == 1
+
+
+def test_batch_plan_is_seeded_and_length_grouped() -> None:
+    from specprefetch.models.pretrain import batch_plan
+
+    lengths = [(i * 37) % 101 for i in range(50)]
+    plan = batch_plan(lengths, steps=20, batch_size=4, seed=3, pool_batches=4)
+    assert plan == batch_plan(lengths, steps=20, batch_size=4, seed=3, pool_batches=4)
+    assert plan != batch_plan(lengths, steps=20, batch_size=4, seed=4, pool_batches=4)
+    assert len(plan) == 20 and all(len(b) == 4 for b in plan)
+    assert all([lengths[i] for i in b] == sorted(lengths[i] for i in b) for b in plan)
+    first_epoch = [i for b in plan for i in b][:48]  # 3 pools of 16 from the first shuffle
+    assert len(set(first_epoch)) == 48
+
+
+def test_router_param_group_and_per_layer_aux(smoke_cfg: dict[str, Any], tiny_tokenizer: Any) -> None:
+    from specprefetch.models.pretrain import ROUTER_LR_MULT, aux_loss, param_groups
+
+    s = build_stand_in(smoke_cfg, "tiny-deepseek-vl2", tiny_tokenizer)
+    spec = discover_routing(s.model)
+    rest, routers = param_groups(s.model, spec, 1e-3, ROUTER_LR_MULT)
+    assert {id(p) for p in routers["params"]} == {id(g.weight) for g in spec.gates}
+    assert routers["lr"] == 1e-3 * ROUTER_LR_MULT and routers["weight_decay"] == 0.0
+    assert len(rest["params"]) + len(routers["params"]) == len(list(s.model.parameters()))
+    n, k = spec.n_experts, spec.top_k
+    uniform = [torch.zeros(6, n) for _ in spec.gates]
+    assert math.isclose(float(aux_loss(uniform, spec, torch.ones(1, 6))), k, rel_tol=1e-5)  # minimum: K
+    collapsed = [torch.zeros(6, n), torch.zeros(6, n).index_fill_(1, torch.arange(k), 20.0)]
+    assert float(aux_loss(collapsed, spec, torch.ones(1, 6))) > k * 1.5
+    with pytest.raises(Exception, match="router logits of 2 MoE layers"):
+        aux_loss(uniform[:1], spec, torch.ones(1, 6))

@@ -26,6 +26,7 @@ from specprefetch.runtime.store import ExpertStore, StoreError, build_expert_sto
 from specprefetch.runtime.timeline import LayerEvent, ready_recall_of, summarize
 
 VOCAB = 96
+NEW = 8  # tokens generated per run
 
 
 def tiny_qwen() -> Any:
@@ -85,8 +86,8 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     spec = discover_routing(model)
     store = ExpertStore(build_expert_store(model, tmp_path_factory.mktemp("store") / "experts", model_name="t"))
     torch.manual_seed(5)
-    ids = torch.randint(0, VOCAB, (1, 10))
-    ref = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    ids = torch.randint(0, VOCAB, (1, 8))
+    ref = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     return {"model": model, "spec": spec, "store": store, "ids": ids, "ref": ref, "name": request.param}
 
 
@@ -103,7 +104,7 @@ def run_policy(s: dict[str, Any], policy: str, storage: str = "ram", m_max: int 
     try:
         rt.install()
         rt.reset_run()
-        out = s["model"].generate(s["ids"], max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        out = s["model"].generate(s["ids"], max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     finally:
         rt.uninstall()
         rt.close()
@@ -151,7 +152,7 @@ def test_identical_tokens_for_every_policy(setup: dict[str, Any], compute_opt: b
         out, rt = run_policy(setup, policy, compute_opt=compute_opt)
         assert torch.equal(out, setup["ref"]), f"{setup['name']} {policy} compute_opt={compute_opt}"
         st = rt.stats()
-        assert st.n_tokens == 11 and 0.0 <= st.ready_recall <= 1.0
+        assert st.n_tokens == NEW - 1 and 0.0 <= st.ready_recall <= 1.0
         if policy == "resident":
             assert st.ready_recall == 1.0 and st.misses == 0
         if policy in ("off", "pred0", "resident"):
@@ -377,7 +378,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     store = ExpertStore(build_expert_store(model, tmp_path / "store", spec))
     s = _merge(DEVICE_DEFAULTS, {"n_prompts": 1, "max_new_tokens": 5, "repeats": 1, "io_workers": 2,
                                  "storages": ["nvme_cold", "slow_ufs"], "experiments": ["main", "component"],
-                                 "window": {"n_prompts": 1, "demand_m": [2, 4], "transfer_samples": 8},
+                                 "window": {"n_prompts": 1, "demand_m": [2, 4], "transfer_samples": 4},
                                  "cache": {"capacity_experts": 8}})
     prompts = [Prompt("p0", {"input_ids": torch.randint(0, VOCAB, (1, 6)), "attention_mask": torch.ones(1, 6).long()})]
     providers = provider_factories({}, spec, "cpu")
@@ -445,3 +446,40 @@ def test_lm_eval_scores_equal_plain_model(tmp_path: Path, tiny_tokenizer: Any) -
     for r in rows:
         assert r["equal_outputs"] and r["equal_score"] and r["n_samples"] == 2 and r["moe_layer_calls"] > 0
     assert any(r["expert_loads"] > 0 for r in rows if r["policy"] == "off")
+
+
+# ------------------------------------------------------------------------------------------ priorities, storage model
+def test_runtime_priorities_match_the_predictor(setup: dict[str, Any]) -> None:
+    """Per-layer runtime priorities rank experts exactly as the predictors package's batch priorities do."""
+    spec = setup["spec"]
+    torch.manual_seed(3)
+    x = [torch.randn(5, spec.hidden_size) for _ in range(spec.n_layers)]
+    batch = {"x": x}
+    for pred in (random_adapter(spec), fate_from_model(spec)):
+        prov = PredictorPriority(pred)
+        ref = pred.priorities(batch, "batch")
+        for l in range(spec.n_layers - 1):
+            assert torch.allclose(prov.scores(l, x[l]), ref[l], atol=1e-5)
+            one = pred.priorities({"x": [t[:1] for t in x]}, "batch")[l]
+            assert select_prefetch(prov.scores(l, x[l][:1]), set(), 4) == select_prefetch(one, set(), 4)
+        assert prov.scores(spec.n_layers - 1, x[-1]) is None
+
+
+def test_bandwidth_model_and_profiles() -> None:
+    from specprefetch.runtime.storage import BandwidthModel, StorageError
+
+    p = make_profile("slow_ufs", {"charge": "paper"}, 1000)
+    assert p.charged_bytes == pytest.approx(1.94e6)
+    one = 0.30e-3 + 1.94e6 / 750e6
+    assert p.transfer_s() == pytest.approx(one)
+    bw = BandwidthModel(p)
+    first, second = bw.schedule(10.0), bw.schedule(10.0)
+    assert first == pytest.approx(10.0 + one)
+    assert second == pytest.approx(10.0 + 2 * 1.94e6 / 750e6 + 0.30e-3)  # data serialised, latency overlapped
+    scaled = make_profile("nvme", {"charge": "calibrated"}, 1000, scale=0.5)
+    assert scaled.transfer_s() == pytest.approx(0.5 * make_profile("nvme", {"charge": "paper"}, 1000).transfer_s())
+    assert make_profile("nvme", {"charge": "real"}, 4096).charged_bytes == 4096
+    with pytest.raises(StorageError, match="device.storage_profiles.ufs"):
+        make_profile("ufs", {"storage_profiles": {"ufs": {"bandwidth_mbps": 0, "latency_ms": 1}}})
+    with pytest.raises(StorageError, match="unknown storage profile"):
+        make_profile("floppy")

@@ -5,17 +5,26 @@ Public API (see the shared data contract): :func:`load_bundle`, :func:`encode_sa
 :mod:`specprefetch.models.capture` (``RouterCapture``).
 """
 
-from specprefetch.models.loading import EncodedSample, ModelBundle, collate_encoded, encode_sample, load_bundle
-from specprefetch.models.routing import SUPPORTED_ARCHS, RoutingSpec, discover_routing, select_experts
+# Exports are resolved on first use (PEP 562) so `specprefetch --help` and light subcommands don't import torch.
+_EXPORTS = {
+    "EncodedSample": "specprefetch.models.loading",
+    "ModelBundle": "specprefetch.models.loading",
+    "collate_encoded": "specprefetch.models.loading",
+    "encode_sample": "specprefetch.models.loading",
+    "load_bundle": "specprefetch.models.loading",
+    "SUPPORTED_ARCHS": "specprefetch.models.routing",
+    "RoutingSpec": "specprefetch.models.routing",
+    "discover_routing": "specprefetch.models.routing",
+    "select_experts": "specprefetch.models.routing",
+}
 
-__all__ = [
-    "SUPPORTED_ARCHS",
-    "EncodedSample",
-    "ModelBundle",
-    "RoutingSpec",
-    "collate_encoded",
-    "discover_routing",
-    "encode_sample",
-    "load_bundle",
-    "select_experts",
-]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    return getattr(import_module(_EXPORTS[name]), name)
+
+
+__all__ = sorted(_EXPORTS)

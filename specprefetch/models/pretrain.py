@@ -1,9 +1,11 @@
 """Pretrain a stand-in from scratch on the corpus, so that it routes meaningfully before traces are taken.
 
 Loss = next-token LM loss on every text token (image placeholders and padding excluded) + ``aux_loss_coef`` x
-the Switch-style load-balancing loss (transformers' ``load_balancing_loss_func`` on the router logits of every
-MoE layer). AdamW, linear warmup then cosine decay, gradient clipping, a fixed seed and deterministic
-algorithms: the same seed gives byte-identical weights.
+the Switch-style load-balancing loss (transformers' ``load_balancing_loss_func``, per MoE layer, averaged).
+AdamW (routers at 3x the learning rate, see ``ROUTER_LR_MULT``), linear warmup then cosine decay, gradient
+clipping, length-grouped batches, a fixed seed and deterministic algorithms: the same seed gives byte-identical
+weights. On a shared CPU run it with one intra-op thread (``OMP_NUM_THREADS=1``, which Snakemake sets from a
+rule's ``threads: 1``): two threads measured 16x more CPU time per step under oversubscription.
 
 ``train_log.json`` (saved in the model directory) reports what makes a stand-in usable for the paper's
 measurements: LM loss against the corpus unigram baseline, per-layer routing entropy and expert load
@@ -42,6 +44,12 @@ ADAMW_BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.01
 CLIP_NORM = 1.0
 MIN_LR_RATIO = 0.1
+# Routers learn 3x faster than the rest. At a CPU-scale budget (400 steps) routers trained at the base rate stay
+# near uniform (tiny-qwen3-vl-moe, embedded profile: top-8 softmax mass 0.11-0.21, entropy 4.55-4.78 of max 4.85
+# nats), unlike the peaked routers of real checkpoints; 10x made them nearly one-hot (top-8 mass 0.88-1.0,
+# entropy 0.2-1.0 nats); 3x gives top-8 mass 0.26-0.55, entropy 3.1-4.4 nats, the same held-out LM loss
+# (4.34 vs 4.31 nats/token) and a balanced load (max expert share 0.024).
+ROUTER_LR_MULT = 3.0
 
 
 def read_corpus(corpus_dir: Path) -> list[Any]:
@@ -86,13 +94,18 @@ def lm_loss(logits: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
 
 
 def aux_loss(router_logits: Sequence[Tensor] | None, spec: RoutingSpec, attention_mask: Tensor) -> Tensor:
-    """Switch-style load balancing over every MoE layer (transformers' implementation, padding masked)."""
+    """Switch-style load balancing, per MoE layer then averaged (transformers' implementation, padding masked).
+
+    transformers pools all layers into one balance term, which lets one layer collapse while others
+    compensate; balancing each layer is what "no layer collapses" needs. Minimum K (uniform routing).
+    """
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     if not router_logits or len(router_logits) != spec.n_layers:
         raise SpecPrefetchError(f"expected router logits of {spec.n_layers} MoE layers from the forward, got "
                                 f"{0 if not router_logits else len(router_logits)}")
-    return load_balancing_loss_func(tuple(router_logits), spec.n_experts, spec.top_k, attention_mask)
+    per_layer = [load_balancing_loss_func((lg,), spec.n_experts, spec.top_k, attention_mask) for lg in router_logits]
+    return torch.stack(per_layer).mean()
 
 
 def unigram_stats(tokenizer: Any, meta: dict[str, Any], train: Sequence[Any], heldout: Sequence[Any],
@@ -149,13 +162,24 @@ def batch_plan(lengths: Sequence[int], steps: int, batch_size: int, seed: int, p
     return plan[:steps]
 
 
+def param_groups(model: nn.Module, spec: RoutingSpec, lr: float, router_lr_mult: float) -> list[dict[str, Any]]:
+    """AdamW groups: routers at ``router_lr_mult`` x lr without weight decay (see ROUTER_LR_MULT), the rest
+    at lr with weight decay."""
+    router_ids = {id(g.weight) for g in spec.gates}
+    routers = [p for p in model.parameters() if id(p) in router_ids]
+    rest = [p for p in model.parameters() if id(p) not in router_ids]
+    return [{"params": rest, "lr": lr, "weight_decay": WEIGHT_DECAY},
+            {"params": routers, "lr": lr * router_lr_mult, "weight_decay": 0.0}]
+
+
 def train_steps(bundle: ModelBundle, samples: Sequence[Any], root: Path, pcfg: dict[str, Any],
-                desc: str = "pretrain") -> list[dict[str, float]]:
+                desc: str = "pretrain", router_lr_mult: float | None = None) -> list[dict[str, float]]:
     """Run ``pcfg["steps"]`` optimizer steps over seeded epoch-wise shuffles of ``samples``; the loss curve."""
     model, spec = bundle.model, bundle.routing
     steps, bs, seq_len = int(pcfg["steps"]), int(pcfg["batch_size"]), int(pcfg["seq_len"])
     coef = float(pcfg.get("aux_loss_coef", 0.0))
-    opt = torch.optim.AdamW(model.parameters(), lr=float(pcfg["lr"]), betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
+    router_lr_mult = ROUTER_LR_MULT if router_lr_mult is None else router_lr_mult
+    opt = torch.optim.AdamW(param_groups(model, spec, float(pcfg["lr"]), router_lr_mult), betas=ADAMW_BETAS)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(int(pcfg.get("warmup_steps", 0)), steps))
     plan = batch_plan([approx_tokens(s) for s in samples], steps, bs, int(pcfg["seed"]))
     pad_id = bundle.meta["special_token_ids"]["<|pad|>"]
@@ -190,12 +214,13 @@ def train_steps(bundle: ModelBundle, samples: Sequence[Any], root: Path, pcfg: d
 
 @torch.no_grad()
 def evaluate_routing(bundle: ModelBundle, samples: Sequence[Any], root: Path, max_length: int) -> dict[str, Any]:
-    """Held-out LM loss and routing quality: per-layer token entropy, load histogram, max load share, and
-    FATE recall@K (layer l+1's gate on layer l's router input, top-K, vs the executed experts)."""
+    """Held-out LM loss and routing quality: per-layer token entropy, softmax mass of the executed top-K,
+    load histogram, max load share, and FATE recall@K (layer l+1's gate on layer l's router input, top-K, vs the executed experts)."""
     model, spec = bundle.model, bundle.routing
     n, k, n_l = spec.n_experts, spec.top_k, spec.n_layers
     load = torch.zeros(n_l, n, dtype=torch.float64)
     entropy = torch.zeros(n_l, dtype=torch.float64)
+    topk_mass = torch.zeros(n_l, dtype=torch.float64)
     fate_hits = torch.zeros(max(0, n_l - 1), dtype=torch.float64)
     nll, n_targets, n_tokens = 0.0, 0, 0
     model.eval()
@@ -213,6 +238,7 @@ def evaluate_routing(bundle: ModelBundle, samples: Sequence[Any], root: Path, ma
         for i, x in enumerate(xs):
             probs = spec.probs(i, spec.logits(i, x)[valid]).double()
             entropy[i] += float(-(probs * probs.clamp_min(1e-30).log()).sum())
+            topk_mass[i] += float(probs.gather(1, executed[i]).sum())
             load[i] += torch.bincount(executed[i].reshape(-1), minlength=n).double()
             if i + 1 < n_l:
                 cand = spec.topk(i + 1, spec.logits(i + 1, x[valid]))
@@ -225,6 +251,7 @@ def evaluate_routing(bundle: ModelBundle, samples: Sequence[Any], root: Path, ma
     layers = [{
         "layer": spec.moe_layers[i], "ordinal": i,
         "token_entropy_nats": float(entropy[i] / n_tokens),
+        "topk_mass": float(topk_mass[i] / n_tokens),
         "load_entropy_nats": float(load_entropy[i]),
         "load_histogram": [int(v) for v in load[i].tolist()],
         "max_load_share": float(share[i].max()),

@@ -10,7 +10,7 @@
   ``specprefetch_model.json``; loaded back with the same transformers classes.
 
 Both are saved with safetensors, with the tokenizer and image processor in the same directory. The experts
-run transformers' default ``grouped_mm`` implementation: measured ~3x faster than ``eager`` for training on
+run transformers' default ``grouped_mm`` implementation: measured 2-3x faster than ``eager`` for training on
 CPU, and bit-reproducible under ``torch.use_deterministic_algorithms(True)`` (set by ``seed_everything``).
 """
 

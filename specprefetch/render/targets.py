@@ -13,7 +13,7 @@ from typing import Any
 
 RESULT_PATHS: dict[str, str] = {
     "recall": "results/recall/recall.csv",
-    "per_layer": "results/recall/per_layer.csv",
+    "per_layer": "results/recall/recall_per_layer.csv",
     "params": "results/predictors/params.csv",
     "runs": "results/device/runs.csv",
     "window": "results/device/window.csv",

@@ -85,6 +85,12 @@ class ExpertCache:
             if key in self.resident:
                 self.resident.move_to_end(key)
 
+    def demote(self, key: Key) -> None:
+        """Make a resident expert the first eviction candidate (a prefetch its target layer did not use)."""
+        with self.lock:
+            if key in self.resident:
+                self.resident.move_to_end(key, last=False)
+
     def pin(self, key: Key) -> None:
         with self.lock:
             if key not in self.resident and key not in self.inflight:
@@ -175,6 +181,8 @@ class SlotPool:
     def __init__(self, capacity: int, layout: RecordLayout, device: torch.device) -> None:
         self.layout = layout
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.capacity = capacity
         self.data = torch.zeros(capacity, layout.record_bytes, dtype=torch.uint8, device=self.device)
         self.events: list[torch.cuda.Event | None] = [None] * capacity
@@ -188,16 +196,24 @@ class SlotPool:
         self.gate_up = flat[:, :gu_n].view(capacity, 2 * layout.intermediate, layout.hidden)
         self.down = flat[:, dn_off: dn_off + layout.hidden * layout.intermediate].view(
             capacity, layout.hidden, layout.intermediate)
+        # per-slot views made once (a view per access costs more than the bookkeeping of a transfer)
+        self._records = list(self.data.unbind(0))
+        self._weights = list(zip(self.gate_up.unbind(0), self.down.unbind(0)))
+        self._buffers = [memoryview(r.numpy()).cast("B") for r in self._records] if self.device.type == "cpu" else None
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
 
     def record(self, slot: int) -> torch.Tensor:
-        return self.data[slot]
+        return self._records[slot]
+
+    def buffer(self, slot: int) -> memoryview | None:
+        """The slot's bytes as a writable memoryview (CPU pool), for reads straight into it."""
+        return None if self._buffers is None else self._buffers[slot]
 
     def weights(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gate_up[slot], self.down[slot]
+        return self._weights[slot]
 
     def mark_used(self, slot: int) -> None:
         """Record on the current CUDA stream that kernels reading ``slot`` have been issued."""

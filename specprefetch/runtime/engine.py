@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specprefetch.io import SpecPrefetchError
+from specprefetch.runtime.constants import POLICIES, PREDICTING
 from specprefetch.runtime.cache import ExpertCache, Key, SlotPool
 from specprefetch.runtime.priority import PriorityProvider, select_prefetch
 from specprefetch.runtime.storage import ExpertReader, StorageError
@@ -42,8 +43,6 @@ from specprefetch.runtime.transfer import Transfer, TransferEngine
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("off", "pred0", "specprefetch", "naive", "fate", "resident")
-PREDICTING = ("pred0", "specprefetch", "naive", "fate")
 
 
 class OffloadError(SpecPrefetchError):
@@ -272,13 +271,17 @@ class OffloadedRuntime:
                         hits=len(resident), inflight=len(inflight), misses=len(req) - len(resident) - len(inflight),
                         ready_pairs=ready_pairs, t_ready=t_exec, t_compute=t_exec)
         canc = {id(t) for t in cancelled}
-        for tr in self._issued.pop((self.step, l), []):
-            if tr.state == "cancelled" or id(tr) in canc:
-                ev.prefetch_cancelled += 1
-            elif tr.key[1] in req:
-                ev.prefetch_used += 1
-            else:
-                ev.prefetch_wasted += 1
+        with self.cache.lock:
+            for tr in self._issued.pop((self.step, l), []):
+                if tr.state == "cancelled" or id(tr) in canc:
+                    ev.prefetch_cancelled += 1
+                elif tr.key[1] in req:
+                    ev.prefetch_used += 1
+                else:  # transferred (or transferring) for nothing: first to go
+                    ev.prefetch_wasted += 1
+                    tr.unneeded = True
+                    if tr.state == "done":
+                        self.cache.demote(tr.key)
         if self.opt.record_routing:
             ev.topk = idx.clone()
         self.events.append(ev)
@@ -325,7 +328,7 @@ class OffloadedRuntime:
             elif self.engine.steal(key) is tr:
                 self.engine.execute(tr)  # not started by any worker: load it on this thread
             else:
-                tr.event.wait()
+                self.engine.wait(tr)
 
     def _predict_and_prefetch(self, l: int, hidden: Tensor, ev: LayerEvent, protect: set[Key]) -> None:
         if self.provider is None or l + 1 >= self.n_layers:

@@ -37,9 +37,7 @@ from typing import Any
 
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.bench import RUN_COLUMNS, write_runs_csv
-from specprefetch.runtime.engine import POLICIES
-from specprefetch.runtime.settings import EXPERIMENTS
-from specprefetch.runtime.storage import STORAGES
+from specprefetch.runtime.constants import EXPERIMENTS, POLICIES, STORAGES
 
 REQUIRED = ("platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat", "tokens_per_s")
 OPTIONAL_INT = ("n_tokens", "hits", "misses", "prefetched", "wasted")

@@ -22,6 +22,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
@@ -82,6 +83,8 @@ class OffloadedLM(HFLM):
                               compute_opt=_as_bool(compute_opt))
         self.runtime = OffloadedRuntime(lm, expert_store, self.reader, opts, provider, spec=spec, device=device)
         self.runtime.install()
+        if torch.device(device).type == "cuda":
+            lm.to(device)  # non-expert weights only: the experts are served by the runtime's GPU cache
         self.runtime.reset_run()
         super().__init__(pretrained=lm, tokenizer=bundle.tokenizer, batch_size=batch_size, device=device, **kwargs)
 
@@ -159,6 +162,7 @@ def evaluate_offloaded(cfg: dict[str, Any], settings: dict[str, Any], model_name
     lm_model = language_model(bundle.model)
     if hasattr(lm_model, "set_experts_implementation"):
         lm_model.set_experts_implementation("eager")  # transformers' reference loop
+    lm_model.to(device)
     plain = HFLM(pretrained=lm_model, tokenizer=bundle.tokenizer, batch_size=1, device=device)
     ref = _evaluate(plain, names, paths, limit, max_gen)
     ref_scores, ref_out = _scores(ref), _outputs(ref)

@@ -43,42 +43,59 @@ class PriorityProvider:
 
 
 class PredictorPriority(PriorityProvider):
-    """A ``specprefetch.predictors`` predictor evaluated on one layer's router input."""
+    """A ``specprefetch.predictors`` predictor evaluated on one layer's router input.
+
+    The per-layer weights are extracted once (contiguous, float32) so a prediction is two (SpecPrefetch) or one
+    (FATE) small matmuls. For a single token the softmax is skipped: it is monotonic, so the ranking, the only thing
+    the prefetcher uses, is the logits' (for several tokens the priorities are the summed softmax, paper §3.2).
+    """
 
     def __init__(self, predictor: Any, device: torch.device | str = "cpu") -> None:
         self.pred = predictor.to(device).eval()
         self.name = str(getattr(predictor, "method", type(predictor).__name__))
         self.empty_when_zero = bool(getattr(predictor, "empty_when_zero", False))
         self.n_pairs = int(predictor.dims.n_pairs)
+        self.sigmoid = getattr(predictor.dims, "scoring", "softmax") == "sigmoid"
         custom = getattr(predictor, "layer_token_scores", None)
-        if callable(custom):
-            self._token_scores = custom
-        elif self.name == "specprefetch":
-            self._token_scores = self._specprefetch
-        elif self.name == "fate":
-            self._token_scores = self._fate
-        else:
-            raise PriorityError(f"predictor method {self.name!r} cannot be evaluated layer by layer at run time "
-                                "(it needs a layer_token_scores(l, x) method)")
+        with torch.no_grad():
+            if callable(custom):
+                self._token_scores = custom
+                self._logits = None
+            elif self.name == "specprefetch":
+                self._a = [predictor.A[l].detach().float().contiguous() for l in range(self.n_pairs)]
+                self._b = [predictor.B[l].detach().float().contiguous() for l in range(self.n_pairs)]
+                self._logits = self._specprefetch
+            elif self.name == "fate":
+                self._w = [predictor.weight[l].detach().float().contiguous() for l in range(self.n_pairs)]
+                self._bias = [predictor.bias[l].detach().float().contiguous() for l in range(self.n_pairs)]
+                self._cb = [predictor.correction_bias[l].detach().float().contiguous() for l in range(self.n_pairs)]
+                self._logits = self._fate
+            else:
+                raise PriorityError(f"predictor method {self.name!r} cannot be evaluated layer by layer at run "
+                                    "time (it needs a layer_token_scores(l, x) method)")
 
     def _specprefetch(self, layer: int, x: Tensor) -> Tensor:
-        p = self.pred
-        xa = x.to(p.A.dtype)
-        return F.softmax(((xa @ p.A[layer].T) @ p.B[layer].T).float(), dim=-1)
+        return F.linear(F.linear(x.float(), self._a[layer]), self._b[layer])
 
     def _fate(self, layer: int, x: Tensor) -> Tensor:
-        p = self.pred
-        z = F.linear(x.float(), p.weight[layer], p.bias[layer])
-        if p.dims.scoring == "sigmoid":
-            return torch.sigmoid(z) + p.correction_bias[layer]
-        return F.softmax(z, dim=-1)
+        return F.linear(x.float(), self._w[layer], self._bias[layer])
 
     @torch.no_grad()
     def scores(self, layer: int, x: Tensor) -> Tensor | None:
         if layer >= self.n_pairs:
             return None
-        s = self._token_scores(layer, x.reshape(-1, x.shape[-1])).sum(dim=0)
-        return s.float().cpu()
+        x = x.reshape(-1, x.shape[-1])
+        if self._logits is None:
+            s = self._token_scores(layer, x).sum(dim=0)
+        else:
+            z = self._logits(layer, x)
+            if self.sigmoid:
+                s = (torch.sigmoid(z) + self._cb[layer]).sum(dim=0)
+            elif z.shape[0] == 1:
+                s = z[0]  # one token: softmax is monotonic, the ranking is the logits'
+            else:
+                s = F.softmax(z, dim=-1).sum(dim=0)
+        return s if s.device.type == "cpu" else s.cpu()
 
 
 class PreviousTokenPriority(PriorityProvider):
@@ -112,21 +129,21 @@ class PreviousTokenPriority(PriorityProvider):
 def select_prefetch(scores: Tensor, exclude: set[int], m_max: int, empty_when_zero: bool = False) -> list[int]:
     """P^{l+1} = Top_{M_max} of s over experts not available nor in flight, in descending priority.
 
-    Ties are broken toward the lower expert id (a stable order), so the runtime and the simulator agree.
+    Ties go to the lower expert id (a stable order), so the runtime and the simulator agree. Plain Python on the
+    n priorities: cheaper than a chain of tiny tensor ops on the critical path.
     """
     if m_max <= 0 or scores is None:
         return []
-    s = scores.detach().to("cpu", torch.float64)
-    if exclude:
-        s = s.clone()
-        s[list(exclude)] = float("-inf")
-    k = min(m_max, s.numel())
-    vals, idx = torch.sort(s, descending=True, stable=True)
-    out = []
-    for v, e in zip(vals[:k].tolist(), idx[:k].tolist()):
-        if v == float("-inf") or (empty_when_zero and v <= 0.0):
+    vals = scores.tolist()
+    out: list[int] = []
+    for e in sorted(range(len(vals)), key=vals.__getitem__, reverse=True):
+        if empty_when_zero and vals[e] <= 0.0:
             break
+        if e in exclude:
+            continue
         out.append(e)
+        if len(out) >= m_max:
+            break
     return out
 
 

@@ -10,10 +10,7 @@ import copy
 from typing import Any
 
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.engine import POLICIES
-from specprefetch.runtime.storage import DEFAULT_PROFILES, STORAGES
-
-EXPERIMENTS = ("main", "matched", "sweep", "storage", "component")
+from specprefetch.runtime.constants import DEFAULT_PROFILES, EXPERIMENTS, POLICIES, STORAGES
 
 DEVICE_DEFAULTS: dict[str, Any] = {
     "platform": None,              # label in runs.csv; None: "local-cpu" / "local-cuda"

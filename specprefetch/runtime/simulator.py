@@ -32,7 +32,7 @@ from torch import Tensor
 
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.cache import ExpertCache, Key
-from specprefetch.runtime.engine import POLICIES, PREDICTING
+from specprefetch.runtime.constants import POLICIES, PREDICTING
 from specprefetch.runtime.priority import PreviousTokenPriority, select_prefetch
 from specprefetch.runtime.storage import BandwidthModel, StorageProfile
 from specprefetch.runtime.timeline import LayerEvent, RunStats, summarize
@@ -99,14 +99,15 @@ class _Tr:
     state: str = "pending"
     t_start: float = 0.0
     t_end: float = 0.0
+    unneeded: bool = False
 
 
 class _SimIO:
     """I/O workers + prioritised queue on the virtual clock (mirrors runtime.transfer.TransferEngine).
 
-    Workers sleep when the queue is empty; only a prefetch submission wakes one (a demand does not); a worker that
-    finishes takes the best queued transfer. A demand load no worker has started when the layer needs it is
-    performed by the compute thread itself (``steal``), as the runtime does.
+    Workers serve prefetches only, sleep when none is queued, and are woken one per prefetch submission; demand
+    loads (and promoted prefetches not yet started) are performed by the compute thread itself (``steal``) when the
+    layer needs them, as the runtime does.
     """
 
     def __init__(self, cache: ExpertCache, storage: StorageProfile, n_workers: int, overhead_s: float,
@@ -129,11 +130,11 @@ class _SimIO:
         return start + (self.fixed_s or 0.0) + self.overhead_s
 
     def _start(self, worker: int, t: float) -> None:
-        ready = [p for p in self.pending if p.t_submit <= t]
+        ready = [p for p in self.pending if p.t_submit <= t and p.cls == PREFETCH]
         if not ready:
             self.sleeping.append(worker)
             return
-        tr = min(ready, key=lambda p: (p.cls, p.seq))
+        tr = min(ready, key=lambda p: p.seq)
         self.pending.remove(tr)
         tr.state, tr.t_start = "running", t
         tr.t_end = self._end_of(t)
@@ -153,6 +154,8 @@ class _SimIO:
         tr.state = "done"
         del self.active[tr.key]
         self.cache.fill(tr.key)
+        if tr.unneeded:
+            self.cache.demote(tr.key)
         self.now = max(self.now, t)
         self._start(worker, t)
         return t
@@ -298,6 +301,9 @@ def _layer(l: int, st: SimStep, step: int, t: float, io: _SimIO, cache: ExpertCa
             ev.prefetch_used += 1
         else:
             ev.prefetch_wasted += 1
+            tr.unneeded = True
+            if tr.state == "done":
+                cache.demote(tr.key)
     events.append(ev)
     protect = set(keys)
     j = _acquire(keys, 0, protect, cache, io, step, t)

@@ -43,19 +43,11 @@ from typing import Any
 import torch
 
 from specprefetch.io import SpecPrefetchError
+from specprefetch.runtime.constants import DEFAULT_PROFILES, EMULATED, PAPER_EXPERT_MB, STORAGES
 from specprefetch.runtime.store import ExpertStore
 
 log = logging.getLogger(__name__)
 
-STORAGES = ("nvme_cold", "nvme", "ufs", "slow_ufs", "sdcard", "ram")
-EMULATED = ("nvme", "ufs", "slow_ufs", "sdcard")
-PAPER_EXPERT_MB = 1.94
-DEFAULT_PROFILES: dict[str, dict[str, float]] = {
-    "nvme": {"bandwidth_mbps": 3500.0, "latency_ms": 0.08},
-    "ufs": {"bandwidth_mbps": 1700.0, "latency_ms": 0.15},
-    "slow_ufs": {"bandwidth_mbps": 750.0, "latency_ms": 0.30},
-    "sdcard": {"bandwidth_mbps": 90.0, "latency_ms": 1.00},
-}
 
 
 class StorageError(SpecPrefetchError):
@@ -182,8 +174,12 @@ class ExpertReader:
         self.model = BandwidthModel(profile) if profile.emulated else None
         self.fds = [os.open(f, os.O_RDONLY) for f in store.files]
         self.mirror: torch.Tensor | None = None
+        self.mirror_views: list[list[memoryview]] | None = None
+        self.cold_each_read = profile.kind == "physical" and profile.cold_each_read
         if profile.kind == "ram":
             self.mirror = self._load_mirror(pin_memory)
+            self.mirror_views = [[memoryview(self.mirror[l, e].numpy()).cast("B") for e in range(store.n_experts)]
+                                 for l in range(store.n_layers)]
 
     def _load_mirror(self, pin: bool) -> torch.Tensor:
         rb = self.store.record_bytes
@@ -209,11 +205,34 @@ class ExpertReader:
         self.close()
 
     def prepare_run(self) -> None:
-        """Start of a run: cold profile evicts the store's pages; emulated device becomes idle."""
+        """Start of a run: cold profile evicts the store's pages; emulated device becomes idle with the store in
+        the page cache (so the modelled delay, not a physical read, sets the time of every emulated load)."""
         if self.profile.kind == "physical":
             self.evict_all()
         if self.model is not None:
+            self.warm_page_cache()
             self.model.reset()
+
+    def warm_page_cache(self, max_fraction_of_ram: float = 0.25) -> bool:
+        """Read the store once so its pages are cached (skipped, with a warning, for a store too big for RAM)."""
+        size = self.store.record_bytes * self.store.total_experts
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):  # pragma: no cover - non-POSIX
+            ram = 0
+        if ram and size > max_fraction_of_ram * ram:
+            log.warning("expert store of %.1f GB is too large to keep in the page cache: emulated loads may include "
+                        "physical reads", size / 1e9)
+            return False
+        buf = bytearray(1 << 22)
+        for fd in self.fds:
+            off = 0
+            while True:
+                n = os.preadv(fd, [buf], off)
+                if n <= 0:
+                    break
+                off += n
+        return True
 
     def evict_all(self) -> None:
         if not hasattr(os, "posix_fadvise"):  # pragma: no cover - non-Linux
@@ -226,25 +245,27 @@ class ExpertReader:
         """A RAM-mirrored record (profile ``ram``) to copy from directly, else None."""
         return None if self.mirror is None else self.mirror[layer, expert]
 
-    def read(self, layer: int, expert: int, dest: torch.Tensor) -> None:
-        """Fill ``dest`` (uint8 host tensor of record_bytes) with the record; blocks for the emulated time."""
+    def read(self, layer: int, expert: int, dest: torch.Tensor, view: memoryview | None = None) -> None:
+        """Fill ``dest`` (uint8 host tensor of record_bytes; ``view``: its bytes, if the caller has them) with
+        the record; blocks for the emulated time."""
         t0 = time.perf_counter()
         finish = self.model.schedule(t0) if self.model is not None else 0.0
         if self.faults is not None:
             self.faults.check(layer, expert)
         rb = self.store.record_bytes
-        if self.mirror is not None:
-            dest.copy_(self.mirror[layer, expert])
-        else:
+        if view is None:
             view = memoryview(dest.numpy()).cast("B")
-            off = self.store.offset(expert)
+        if self.mirror_views is not None:
+            view[:] = self.mirror_views[layer][expert]
+        else:
+            off = expert * rb
             got = os.preadv(self.fds[layer], [view], off)
             if got != rb:
                 raise OSError(5, f"{self.store.files[layer]}: short read of expert {expert} ({got}/{rb} bytes)")
-            if self.profile.kind == "physical" and self.profile.cold_each_read:
+            if self.cold_each_read:
                 os.posix_fadvise(self.fds[layer], off, rb, os.POSIX_FADV_DONTNEED)
         if self.verify:
-            self.store.check_record(layer, expert, memoryview(dest.numpy()).cast("B"))
+            self.store.check_record(layer, expert, view)
         if finish:
             remaining = finish - time.perf_counter()
             if remaining > 0:

@@ -22,6 +22,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -116,28 +117,28 @@ class RecordLayout:
     dtype: torch.dtype
     alignment: int = ALIGNMENT
 
-    @property
+    @cached_property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    @property
+    @cached_property
     def gate_up_bytes(self) -> int:
         return 2 * self.intermediate * self.hidden * self.itemsize
 
-    @property
+    @cached_property
     def down_offset(self) -> int:
         return _align(self.gate_up_bytes, SUB_ALIGNMENT)
 
-    @property
+    @cached_property
     def down_bytes(self) -> int:
         return self.hidden * self.intermediate * self.itemsize
 
-    @property
+    @cached_property
     def payload_bytes(self) -> int:
         """Bytes of weights per expert (what a transfer must move)."""
         return self.gate_up_bytes + self.down_bytes
 
-    @property
+    @cached_property
     def record_bytes(self) -> int:
         return _align(self.down_offset + self.down_bytes, self.alignment)
 
@@ -260,19 +261,13 @@ class ExpertStore:
             size = f.stat().st_size
             if size != int(layer["bytes"]) or size != self.layout.record_bytes * self.n_experts:
                 raise StoreError(f"{f}: {size} bytes, manifest says {layer['bytes']} (truncated or wrong file)")
+        self.record_bytes = self.layout.record_bytes
+        self.total_experts = self.n_layers * self.n_experts
         if verify:
             self.verify()
 
-    @property
-    def record_bytes(self) -> int:
-        return self.layout.record_bytes
-
-    @property
-    def total_experts(self) -> int:
-        return self.n_layers * self.n_experts
-
     def offset(self, expert: int) -> int:
-        return expert * self.layout.record_bytes
+        return expert * self.record_bytes
 
     def verify(self) -> None:
         """Check every record against its sha256 (names the file and expert of the first mismatch)."""

@@ -175,7 +175,7 @@ def emulation_overshoot_ms(h: Harness, scale: float, n: int = 16) -> float:
 def physical_device_model(h: Harness, isolated_ms: float) -> dict[str, float]:
     """Fit (latency, bandwidth) of the physical disk for the simulator from isolated and concurrent loads."""
     reader = h.reader("nvme_cold")
-    bw = concurrent_throughput(reader, int(h.s["io_workers"]))
+    bw = concurrent_throughput(reader, int(h.s["io_workers"]), n=4 * int(h.s["window"]["transfer_samples"]))
     payload = h.store.layout.payload_bytes
     latency_ms = max(0.0, isolated_ms - payload / bw * 1e3)
     return {"bandwidth_mbps": bw / 1e6, "latency_ms": latency_ms, "payload_bytes": payload}

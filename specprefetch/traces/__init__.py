@@ -4,6 +4,21 @@
 ``extract``: :func:`extract_traces` (one captured forward per sample), :func:`route_captured`.
 """
 
-from specprefetch.traces.store import TraceError, TraceReader, TraceWriter, trace_stats
+# Exports are resolved on first use (PEP 562) so `specprefetch --help` and light subcommands don't import torch.
+_EXPORTS = {
+    "TraceError": "specprefetch.traces.store",
+    "TraceReader": "specprefetch.traces.store",
+    "TraceWriter": "specprefetch.traces.store",
+    "trace_stats": "specprefetch.traces.store",
+}
 
-__all__ = ["TraceError", "TraceReader", "TraceWriter", "trace_stats"]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    return getattr(import_module(_EXPORTS[name]), name)
+
+
+__all__ = sorted(_EXPORTS)

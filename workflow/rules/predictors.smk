@@ -49,7 +49,8 @@ rule gather_recall:
     input:
         P.recall_csvs(),
     output:
-        "results/recall/recall.csv",
+        recall="results/recall/recall.csv",
+        per_layer="results/recall/recall_per_layer.csv",
     log:
         "logs/gather_recall/recall.log",
     benchmark:
@@ -59,7 +60,7 @@ rule gather_recall:
         mem_mb=1000,
         runtime=5,
     shell:
-        "{SP} gather-recall --out {output} {input} 2>&1 | tee {log}"
+        "{SP} gather-recall --out {output.recall} {input} 2>&1 | tee {log}"
 
 
 rule gather_params:
