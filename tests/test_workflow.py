@@ -62,3 +62,39 @@ def test_every_rule_has_log_benchmark_and_resources() -> None:
             assert re.match(r"^[a-z]+(_[a-z]+)+$", name), f"{smk.name}: rule {name} is not verb_object"
             for key in ("log:", "benchmark:", "threads:", "resources:", "shell:"):
                 assert f"\n    {key}" in body, f"{smk.name}: rule {name} lacks {key}"
+
+
+@pytest.mark.slow
+def test_smoke_profile_end_to_end(tmp_path: Path) -> None:
+    """The whole DAG on config/smoke.yaml, from nothing to the rendered tables, then a no-op rerun."""
+    res = snakemake(tmp_path, "--cores", "2", "paper_tables", "--configfile", str(ROOT / "config/smoke.yaml"),
+                    timeout=3000)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
+    out = tmp_path / "results"
+    for name in ("gsm8k", "humaneval", "ocrbench", "chartqa", "hallusionbench"):
+        assert (out / "workloads" / name / "manifest.json").exists()
+    for model in ("tiny-qwen3-vl-moe", "tiny-deepseek-vl2"):
+        assert (out / "models" / model / "train_log.json").exists()
+        assert (out / "traces" / model / "corpus" / "manifest.json").exists()
+    import json
+
+    import pandas as pd
+
+    assert json.loads((out / "workloads" / "disjointness.json").read_text())
+    recall = pd.read_csv(out / "recall" / "recall.csv")
+    assert set(recall.columns) >= {"model", "workload", "method", "M", "expert_recall", "n_tokens"}
+    assert recall["expert_recall"].between(0, 1).all()
+    oracle = recall[(recall.method == "oracle")]
+    assert len(oracle) and (oracle["expert_recall"] > 0.99).any()  # the oracle's top-K covers everything at M >= K
+    params = pd.read_csv(out / "predictors" / "params.csv")
+    assert (params.set_index(["model", "method"]).loc[("tiny-qwen3-vl-moe", "fate"), "trainable_params"] == 0)
+    runs = pd.read_csv(out / "device" / "runs.csv")
+    assert {"off", "specprefetch", "resident"} <= set(runs["policy"])
+    assert (runs["tokens_per_s"] > 0).all()
+    tables = out / "paper_tables"
+    for t in ("table1_recall", "table2_ablation", "table3_params", "table4_overhead", "table5_matched"):
+        assert "\\begin{tabular}" in (tables / f"{t}.tex").read_text()
+    assert (tables / "comparison.md").exists()
+    # Nothing left to do: a second run is a no-op.
+    again = snakemake(tmp_path, "-n", "--cores", "1", "paper_tables", "--configfile", str(ROOT / "config/smoke.yaml"))
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, again.stdout[-3000:]

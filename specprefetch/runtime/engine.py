@@ -7,13 +7,16 @@ native router still decides which experts run, so the model's outputs cannot dep
 At MoE layer ``l`` (one call of ``OffloadedExperts.forward``):
 
 1. ``t_exec``: the layer's demand T^l is known. Queued prefetches for ``l`` that are not needed are cancelled,
-   needed ones are promoted to demand loads; the cache's content A^l(t_exec) is recorded (ReadyRecall, hits).
-2. Required experts are pinned; absent ones are loaded on demand (queued before any prefetch).
+   needed ones are promoted to demand loads; the cache's content A^l(t_exec) is recorded (ReadyRecall, hits);
+   prefetched experts the layer does not need become the first eviction candidates.
+2. Required experts are pinned; absent ones are queued as demand loads, which the compute thread performs itself
+   when it reaches them (no hand-off to an I/O thread; the layer blocks either way).
 3. The policy's provider turns ``x^l`` into priorities ``s^{l+1}`` (``t_pred``); the top ``M_max`` experts of layer
    ``l+1`` neither resident nor in flight are queued as asynchronous prefetches in priority order (PRED0 computes
    them but issues nothing).
 4. The experts are computed in ascending expert id (the accumulation order of transformers' eager loop, so the
-   result is bit-identical whatever was cached), waiting for the loads still in flight (the stall).
+   result is bit-identical whatever was cached), waiting for the loads still in flight (the stall). The layer's
+   experts then become the most recently used (in ascending id, whatever order they arrived in).
 
 ``compute_opt`` (Figure 6's "compute optimization"): for a decoding step (one token) the layer's experts are
 gathered from the cache slots with one ``index_select`` per weight matrix and computed with two batched matmuls,

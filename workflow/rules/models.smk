@@ -13,7 +13,7 @@ rule pretrain_stand_in:
         "logs/pretrain_stand_in/{model}.log",
     benchmark:
         "benchmarks/pretrain_stand_in/{model}.tsv"
-    threads: workflow.cores
+    threads: 1  # one thread per job: on small CPUs, more threads cost far more than they give
     resources:
         **P.resources("pretrain_stand_in"),
     shell:
