@@ -306,6 +306,8 @@ def train_predictor(
         "corpus_dir": str(corpus_dir) if online and corpus_dir is not None else None,
         "provenance": provenance(fragment, seed, model_dir=str(model_dir) if model_dir else None),
     }
+    if int(os.environ.get("RANK", 0)) != 0:  # distributed training: rank 0 writes the output
+        return {**predictor.meta(), **meta}
     with atomic_path(out_dir, is_dir=True) as tmp:
         predictor.save(tmp, extra_meta=meta)
     log.info("saved %s predictor for %s to %s (%d trainable params, final loss %s, %.1fs)", method, model_name,

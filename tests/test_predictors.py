@@ -443,3 +443,13 @@ def test_draft_model_takes_embeddings_from_model_dir(cfg: dict, corpus: Path, st
     assert meta["dims"]["vocab_size"] == max(table.shape[0], 1024)  # model rows vs the smoke tokenizer size
     emb = load_predictor(tmp_path / "d").embed.weight[: table.shape[0]]
     torch.testing.assert_close(emb, project_embeddings(table.float(), 32), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["single_mlp", "promoe"])
+def test_layer_token_scores_match_batch_priorities(method: str, batch: dict) -> None:
+    """The per-layer run-time API gives the same π̂ as the batch API."""
+    p = build_predictor(method, None, DIMS).eval()
+    with torch.no_grad():
+        full = p.priorities(batch)
+        for l in range(2):
+            torch.testing.assert_close(p.layer_token_scores(l, batch["x"][l]), full[l])

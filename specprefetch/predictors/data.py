@@ -95,16 +95,8 @@ def iter_trace_batches(reader: Any, batch_tokens: int) -> Iterator[dict[str, Any
 
 
 def _load_shard(reader: Any, j: int) -> dict[str, Tensor]:
-    """Shard ``j`` of a trace, checked like ``TraceReader.iter_shards`` does (size, sha256, shapes).
-
-    TraceReader only exposes shards in order; training needs them in a shuffled order.
-    """
-    entry = reader.manifest["shards"][j]
-    if hasattr(reader, "read_shard"):
-        return reader.read_shard(j)
-    tensors = reader._read_checked(entry, reader.verify)  # noqa: SLF001 - same repository, see report
-    reader._check_shard(entry, tensors)  # noqa: SLF001
-    return tensors
+    """Shard ``j`` of a trace, checked (size, sha256, shapes); training reads shards in a shuffled order."""
+    return reader.read_shard(j)
 
 
 def _shard_plan(reader: Any, batch_tokens: int) -> tuple[list[list[tuple[int, int]]], int]:

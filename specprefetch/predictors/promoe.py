@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specprefetch.predictors.base import Batch, Predictor, PredictorDims, PredictorError, register
@@ -34,3 +35,8 @@ class ProMoEPredictor(Predictor):
     def forward(self, batch: Batch) -> list[Tensor]:
         self.check_batch(batch)
         return [mlp(self._x(batch, l)) for l, mlp in enumerate(self.mlps)]
+
+    def layer_token_scores(self, layer: int, x: Tensor) -> Tensor:
+        """Run-time API (``runtime.priority``): π̂^{layer+1} [T, n] from router input x^layer [T, D]."""
+        mlp = self.mlps[layer]
+        return F.softmax(mlp(x.to(mlp[0].weight.dtype)).float(), dim=-1)

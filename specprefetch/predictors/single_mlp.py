@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specprefetch.predictors.base import Batch, Predictor, PredictorDims, PredictorError, register
@@ -42,6 +43,10 @@ class SingleMLPPredictor(Predictor):
         return out
 
     def forward_pair(self, x: Tensor, pair: int) -> Tensor:
-        """Prediction for one pair only (what a runtime calls at layer ``pair``)."""
+        """Logits for one pair only (what a runtime calls at layer ``pair``)."""
         return self.fc2(self.act(self.fc1(x.to(self.fc1.weight.dtype)) + self.layer_embedding.weight[pair]))
+
+    def layer_token_scores(self, layer: int, x: Tensor) -> Tensor:
+        """Run-time API (``runtime.priority``): π̂^{layer+1} [T, n] from router input x^layer [T, D]."""
+        return F.softmax(self.forward_pair(x, layer).float(), dim=-1)
 

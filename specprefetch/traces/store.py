@@ -375,12 +375,17 @@ class TraceReader:
                 raise TraceError(f"{path}: {k} is {tuple(t[k].shape)} {dtype_name(t[k].dtype)}, "
                                  f"manifest implies {shape} {dtype_name(dtype)}")
 
+    def read_shard(self, j: int) -> dict[str, torch.Tensor]:
+        """Shard ``j``'s tensors (keys as in the file), after checking size, sha256, shapes and dtypes."""
+        entry = self.manifest["shards"][j]
+        tensors = self._read_checked(entry, self.verify)
+        self._check_shard(entry, tensors)
+        return tensors
+
     def iter_shards(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Yield each shard's tensors (keys as in the file), in order, after checking it."""
-        for entry in self.manifest["shards"]:
-            tensors = self._read_checked(entry, self.verify)
-            self._check_shard(entry, tensors)
-            yield tensors
+        """Yield each shard's tensors, in order, after checking it."""
+        for j in range(len(self.manifest["shards"])):
+            yield self.read_shard(j)
 
     def routers(self, verify: bool | None = None) -> dict[str, torch.Tensor]:
         """All gate parameters stored with the trace (``gate.{i}.weight`` etc.), float32."""

@@ -5,6 +5,7 @@
 rule train_predictor:
     input:
         traces=lambda w: P.trace_dir(w.model, "corpus"),
+        corpus="results/corpus",
         model=lambda w: P.model_inputs(w.model),
     output:
         directory("results/predictors/{model}/{method}"),
@@ -15,13 +16,13 @@ rule train_predictor:
         "logs/train_predictor/{model}/{method}.log",
     benchmark:
         "benchmarks/train_predictor/{model}/{method}.tsv"
-    threads: 2
+    threads: 1
     resources:
         **P.resources("train_predictor"),
     shell:
         "export OMP_NUM_THREADS={threads}; "
         "{SP} train-predictor --config {CFG} --model {wildcards.model} --method {wildcards.method} "
-        "--traces {input.traces} {params.model_dir} --out {output} 2>&1 | tee {log}"
+        "--traces {input.traces} --corpus {input.corpus} {params.model_dir} --out {output} 2>&1 | tee {log}"
 
 
 rule evaluate_recall:
