@@ -2,7 +2,8 @@
 the baselines (FATE, Single MLP, ProMoE, Draft Model) and reference points (Naive Prefetch, frequency,
 oracle)."""
 
-# Exports are resolved on first use (PEP 562) so `specprefetch --help` and light subcommands don't import torch.
+from specprefetch._lazy import lazy_exports
+
 _EXPORTS = {
     "METHODS": "specprefetch.predictors.base",
     "Predictor": "specprefetch.predictors.base",
@@ -14,12 +15,4 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from importlib import import_module
-
-    return getattr(import_module(_EXPORTS[name]), name)
-
-
-__all__ = sorted(_EXPORTS)
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

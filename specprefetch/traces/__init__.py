@@ -4,7 +4,8 @@
 ``extract``: :func:`extract_traces` (one captured forward per sample), :func:`route_captured`.
 """
 
-# Exports are resolved on first use (PEP 562) so `specprefetch --help` and light subcommands don't import torch.
+from specprefetch._lazy import lazy_exports
+
 _EXPORTS = {
     "TraceError": "specprefetch.traces.store",
     "TraceReader": "specprefetch.traces.store",
@@ -13,12 +14,4 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from importlib import import_module
-
-    return getattr(import_module(_EXPORTS[name]), name)
-
-
-__all__ = sorted(_EXPORTS)
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)
