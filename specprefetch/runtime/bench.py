@@ -135,7 +135,8 @@ def bench_runtime(h: Harness, profile: dict[str, Any], model: str, platform: str
     if routing_out is not None:
         with atomic_path(routing_out) as tmp:
             torch.save({"format": "specprefetch-routing-record/1", "model": model, "platform": platform,
-                        "runs": routing, "provenance": provenance(config_fragment)}, tmp)
+                        "emulation_scale": h.scale, "capacity": h.capacity, "runs": routing,
+                        "provenance": provenance(config_fragment)}, tmp)
     return rows
 
 

@@ -43,12 +43,15 @@ VALIDATION_COLUMNS = ["platform", "model", "experiment", "policy", "storage", "m
 METRICS = ("tokens_per_s", "ready_recall", "hits", "misses", "prefetched", "wasted", "stall_ms")
 
 
-def local_storage(profile: dict[str, Any], storage: str, settings: dict[str, Any]) -> tuple[StorageProfile, float | None, float]:
-    """(device model, fixed transfer s, per-transfer overhead s) of ``storage`` as profiled on this machine."""
+def local_storage(profile: dict[str, Any], storage: str, settings: dict[str, Any],
+                  scale: float | None = None) -> tuple[StorageProfile, float | None, float]:
+    """(device model, fixed transfer s, per-transfer overhead s) of ``storage`` as profiled on this machine;
+    ``scale``: the emulation scale the replayed runs used (default: the profile's)."""
     payload = int(profile["payload_bytes"])
     overhead = float(profile.get("emulation_overshoot_ms", 0.0)) * 1e-3
     if storage in EMULATED:
-        return make_profile(storage, settings, payload, float(profile["emulation_scale"])), None, overhead
+        scale = float(profile["emulation_scale"]) if scale is None else float(scale)
+        return make_profile(storage, settings, payload, scale), None, overhead
     if storage == "nvme_cold":
         phys = profile.get("physical_model")
         if not phys:
@@ -84,8 +87,10 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any], settings
     for key, run in tqdm(sorted(record["runs"].items()), desc="simulator validation", disable=None):
         m = run["row"]
         seqs = sequences_from_record(run["events"], n_layers)
-        storage, fixed, overhead = local_storage(profile, m["storage"], settings)
-        compute = ComputeProfile.from_profile(profile, bool(m["compute_opt"]), overhead)
+        storage, fixed, overhead = local_storage(profile, m["storage"], settings, record.get("emulation_scale"))
+        cpu = profile.get("transfer_cpu_ms", {})
+        cpu_ms = cpu.get("nvme_cold" if m["storage"] == "nvme_cold" else "ram", 0.0)  # emulated: page-cache reads
+        compute = ComputeProfile.from_profile(profile, bool(m["compute_opt"]), overhead, cpu_ms * 1e-3)
         res = simulate(seqs, m["policy"], int(m["m_max"]), int(m["capacity_experts"]), n_experts, top_k, compute,
                        storage, int(profile["io_workers"]), bool(m["compute_opt"]), fixed_transfer_s=fixed)
         sim = {"tokens_per_s": res.tokens_per_s, **{k: getattr(res.stats, k) for k in METRICS[1:]}}

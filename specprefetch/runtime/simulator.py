@@ -73,13 +73,15 @@ class ComputeProfile:
     gap_s: list[float]    # t_done(l) -> t_exec(l+1): attention, router, shared experts, ...
     head_s: float         # t_done(L-1) -> t_exec(0) of the next step: head, sampling, embedding, dense layers
     io_overhead_s: float = 0.0  # per transfer (worker hand-off)
+    cpu_per_prefetch_s: float = 0.0  # host CPU a worker-served transfer takes from the compute thread
 
     @classmethod
-    def from_profile(cls, prof: dict[str, Any], compute_opt: bool, io_overhead_s: float = 0.0) -> ComputeProfile:
+    def from_profile(cls, prof: dict[str, Any], compute_opt: bool, io_overhead_s: float = 0.0,
+                     cpu_per_prefetch_s: float = 0.0) -> ComputeProfile:
         base = prof["compute"]["opt" if compute_opt else "loop"]
         pred = prof["compute"]["pred"]
         return cls(list(base["book_s"]), list(pred["pred_s"]), list(pred["post_pred_s"]), list(base["moe_s"]),
-                   list(base["gap_s"]), float(base["head_s"]), io_overhead_s)
+                   list(base["gap_s"]), float(base["head_s"]), io_overhead_s, cpu_per_prefetch_s)
 
     def check(self, n_layers: int) -> None:
         for name in ("book_s", "pred_s", "post_pred_s", "moe_s", "gap_s"):
@@ -327,7 +329,7 @@ def _layer(l: int, st: SimStep, step: int, t: float, io: _SimIO, cache: ExpertCa
                         break
                     issued[(step, l + 1)].append(io.submit((l + 1, e), "prefetch", step, t))
                     ev.issued.append(e)
-        t += compute.post_pred_s[l]
+        t += compute.post_pred_s[l] + compute.cpu_per_prefetch_s * len(ev.issued)
     else:
         t += compute.book_s[l]
     # compute

@@ -9,7 +9,10 @@ Measured on the current platform with the real runtime:
 - event-level candidate demand (Figure 1b): with the bounded cache on the reference storage, the number of the
   top-M predicted experts not available at ``t_pred`` times the per-expert transfer time, paired with the
   same event's window (greedy decoding makes both runs decode the same tokens);
-- ``M_max = max(1, floor(mean_l W_l / t_transfer))`` on the reference storage (or the configured integer);
+- ``M_max = max(1, floor(mean_l W_l / t_transfer))`` on the reference storage (or the configured integer), where
+  ``t_transfer`` is the per-expert transfer time *inside the runtime* (a prefetching run at M = K: first submission
+  to last completion of a layer's prefetch batch, per expert), which includes queueing, I/O-thread wake-up and the
+  host CPU the transfers take from compute; the isolated read time is recorded next to it;
 - per-layer latency by component (attention, router, expert_load, moe_compute, other) with all experts
   resident and with on-demand loading (Figure 1a), from forward hooks that time the modules without
   changing them;
@@ -172,6 +175,32 @@ def emulation_overshoot_ms(h: Harness, scale: float, n: int = 16) -> float:
     return max(0.0, statistics.fmean(ms) - prof.transfer_s() * 1e3)
 
 
+def transfer_cpu_ms(h: Harness, storage: str, batches: int = 16) -> float:
+    """Host CPU time (all threads) per expert transfer served by the I/O workers, in batches of K prefetches:
+    the compute a prefetch takes away from the model on this host (GIL, copies, syscalls)."""
+    from specprefetch.runtime.cache import ExpertCache, SlotPool
+    from specprefetch.runtime.transfer import TransferEngine
+
+    reader = h.reader(storage)
+    reader.prepare_run()
+    k = int(h.spec.top_k)
+    n = min(batches * k, h.store.total_experts)
+    cache = ExpertCache(n)
+    eng = TransferEngine(reader, cache, SlotPool(n, h.store.layout, "cpu"), int(h.s["io_workers"]), 0)
+    keys = [(l, e) for l in range(h.store.n_layers) for e in range(h.store.n_experts)][:n]
+    try:
+        t0 = time.process_time()
+        for i in range(0, n, k):
+            for key in keys[i:i + k]:
+                with cache.lock:
+                    cache.reserve(key)
+                    eng.submit(key, "prefetch", 0)
+            eng.drain()
+        return (time.process_time() - t0) / n * 1e3
+    finally:
+        eng.shutdown()
+
+
 def physical_device_model(h: Harness, isolated_ms: float) -> dict[str, float]:
     """Fit (latency, bandwidth) of the physical disk for the simulator from isolated and concurrent loads."""
     reader = h.reader("nvme_cold")
@@ -225,6 +254,18 @@ def compute_profile(res: RunResult, n_layers: int) -> dict[str, Any]:
     }
 
 
+def effective_transfer_ms(res: RunResult) -> float:
+    """Per-expert transfer time as the runtime experiences it: for each layer's batch of prefetches, the time from
+    its first submission to its last completion divided by its size (queueing, worker wake-up and host CPU
+    contention included), averaged over batches. NaN if the run issued no prefetch."""
+    groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
+    for tr in res.transfers:
+        if tr.kind == "prefetch" and tr.state == "done":
+            groups[(tr.step, tr.key[0])].append(tr)
+    spans = [(max(t.t_end for t in g) - min(t.t_submit for t in g)) / len(g) for g in groups.values()]
+    return statistics.fmean(spans) * 1e3 if spans else float("nan")
+
+
 def derive_m_max(window_ms: float, transfer_ms: float, n_experts: int) -> int:
     if transfer_ms <= 0 or not math.isfinite(window_ms):
         return n_experts
@@ -266,6 +307,10 @@ def profile_window(h: Harness, model_name: str, platform: str, out_dir: str | Pa
     if window_run.tokens() != resident.tokens() or candidates.tokens() != resident.tokens():
         raise RuntimeError("window profiling runs decoded different tokens: the runtime changed the outputs")
     windows = per_layer_windows(window_run.events)
+    t_eff = float("nan")
+    if ref not in EMULATED:  # an emulated reference is timed by its model (its scale is only known below)
+        xfer_policy = next(p for p in ("specprefetch", "fate", "naive") if p == "naive" or p in h.providers)
+        t_eff = effective_transfer_ms(h.run(xfer_policy, ref, m_max=int(h.spec.top_k), prompts=prompts))
 
     per_layer: dict[int, list[float]] = defaultdict(list)
     for (step, layer), w in windows.items():
@@ -280,10 +325,12 @@ def profile_window(h: Harness, model_name: str, platform: str, out_dir: str | Pa
 
     log.info("measuring per-expert transfer times")
     transfers = transfer_table(h, list(s["storages"]), int(wcfg["transfer_samples"]), scale)
-    t_ref = transfers[ref]["transfer_ms"]
+    t_iso = transfers[ref]["transfer_ms"]
+    t_ref = t_eff if math.isfinite(t_eff) else t_iso
     phys = physical_device_model(h, transfers["nvme_cold"]["transfer_ms"]) if "nvme_cold" in transfers else None
     m_max = derive_m_max(w_mean, t_ref, n_experts) if s["m_max"] == "auto" else int(s["m_max"])
     overshoot = emulation_overshoot_ms(h, scale)
+    cpu_ms = {st: transfer_cpu_ms(h, st) for st in ("nvme_cold", "ram")}
     emulated = {name: make_profile(name, s, h.store.layout.payload_bytes, scale).describe() for name in EMULATED}
 
     out_dir = Path(out_dir)
@@ -312,10 +359,11 @@ def profile_window(h: Harness, model_name: str, platform: str, out_dir: str | Pa
         "record_bytes": h.store.record_bytes, "payload_bytes": h.store.layout.payload_bytes,
         "cache_capacity_experts": capacity, "io_workers": int(s["io_workers"]),
         "window_ms_mean": w_mean, "window_ms_per_layer": {str(k + 1): statistics.fmean(v) for k, v in per_layer.items()},
-        "transfer_ms": transfers, "m_max": m_max, "m_max_source": "profiled" if s["m_max"] == "auto" else "config",
+        "transfer_ms": transfers, "transfer_ms_isolated": t_iso, "transfer_ms_in_runtime": t_eff,
+        "transfer_ms_used": t_ref, "m_max": m_max, "m_max_source": "profiled" if s["m_max"] == "auto" else "config",
         "predictor_for_window": pred_policy,
         "charge": s["charge"], "emulation_scale": scale, "emulated_profiles": emulated,
-        "emulation_overshoot_ms": overshoot,
+        "emulation_overshoot_ms": overshoot, "transfer_cpu_ms": cpu_ms,
         "physical_model": phys,
         "compute": {"opt": compute_profile(resident, n_layers), "loop": compute_profile(resident_loop, n_layers),
                     "pred": compute_profile(window_run, n_layers)},
