@@ -180,15 +180,13 @@ def _cmd_simulate(args: argparse.Namespace) -> None:
         from specprefetch.traces.store import TraceReader
 
         arch = cfg["models"][args.model]["arch"]
-        for tdir in args.traces:
-            reader = TraceReader(tdir)
-            spec_like = _TraceSpec(reader)
-            providers = provider_factories(parse_predictors(args.predictor), spec_like, "cpu") \
-                if args.predictor else {}
-            for platform in s["simulator"]["platforms"]:
-                r, meta = simulate_platform(platform, args.model, arch, reader, providers, s, s["experiments"])
-                rows.extend(r)
-                info["platforms"].append({"trace": str(tdir), **meta})
+        readers = [TraceReader(tdir) for tdir in args.traces]
+        spec_like = _TraceSpec(readers[0])
+        providers = provider_factories(parse_predictors(args.predictor), spec_like, "cpu") if args.predictor else {}
+        for platform in s["simulator"]["platforms"]:
+            r, meta = simulate_platform(platform, args.model, arch, readers, providers, s, s["experiments"])
+            rows.extend(r)
+            info["platforms"].append({"traces": [str(t) for t in args.traces], **meta})
     write_runs_csv(args.out, rows)
     write_validation_csv(args.validation, val)
     write_json_atomic(Path(args.validation).with_suffix(".json"), info)

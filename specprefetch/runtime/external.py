@@ -206,10 +206,17 @@ def collect_device_benchmarks(runs: Sequence[str | Path], external: Sequence[str
                               out_csv: str | Path) -> list[dict[str, Any]]:
     """Merge measured/simulated run CSVs and validated external logs into ``runs.csv`` (atomically)."""
     rows: list[dict[str, Any]] = []
-    for p in runs:
-        rows.extend(read_runs_csv(p))
-    for p in external:
-        rows.extend(read_external_log(p))
+    seen: dict[tuple[str, ...], str] = {}
+    for p in [*runs, *external]:
+        got = read_external_log(p) if p in external else read_runs_csv(p)
+        for i, r in enumerate(got):
+            key = tuple(str(r[k]).lower() for k in RUN_KEY)
+            where = f"{p}:{i + 2}" if p not in external else f"{p} row {i + 1}"
+            if key in seen:
+                raise ExternalLogError(f"{where}: the same run ({', '.join(RUN_KEY)}) as {seen[key]}: "
+                                       "runs.csv rows must be unique (paired gains need one row per run)")
+            seen[key] = where
+        rows.extend(got)
     write_runs_csv(out_csv, rows)
     return rows
 

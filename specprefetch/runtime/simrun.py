@@ -110,21 +110,24 @@ def summarize_validation(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def simulate_platform(platform: str, model: str, arch: str, trace_reader: Any,
+def simulate_platform(platform: str, model: str, arch: str, trace_readers: Sequence[Any],
                       providers: dict[str, Callable[[], Any]], settings: dict[str, Any],
                       experiments: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Estimate the platform's runs (runs.csv rows, source=simulated) from a routing trace; returns (rows, info)."""
+    """Estimate the platform's runs (runs.csv rows, source=simulated) from routing traces (the sequences of every
+    trace, ``simulator.max_samples`` per trace, replayed as one run); returns (rows, info)."""
     p = platform_profile(platform)
     if arch not in p["archs"]:
         log.info("%s: platform %s describes %s, not %s; skipped", model, platform, "/".join(p["archs"]), arch)
-        return [], {"skipped": f"arch {arch}"}
-    n_layers, n_experts, top_k = trace_reader.n_layers, trace_reader.n_experts, trace_reader.top_k
+        return [], {"platform": platform, "skipped": f"arch {arch}"}
+    first = trace_readers[0]
+    n_layers, n_experts, top_k = first.n_layers, first.n_experts, first.top_k
     max_samples = int(settings["simulator"]["max_samples"])
     seqs_by_policy: dict[str, list[SimSequence]] = {}
-    base = sequences_from_trace(trace_reader, None, max_samples)
+    base = [s for r in trace_readers for s in sequences_from_trace(r, None, max_samples)]
     for pol in ("specprefetch", "fate"):
         if pol in providers:
-            seqs_by_policy[pol] = sequences_from_trace(trace_reader, providers[pol](), max_samples)
+            seqs_by_policy[pol] = [s for r in trace_readers
+                                   for s in sequences_from_trace(r, providers[pol](), max_samples)]
     seqs_by_policy["pred0"] = seqs_by_policy.get("specprefetch", base)
     from specprefetch.runtime.settings import cache_capacity
 
@@ -158,7 +161,7 @@ def simulate_platform(platform: str, model: str, arch: str, trace_reader: Any,
                          "peak_cache_experts": st.peak_cache_experts, "capacity_experts": capacity,
                          "charge": "paper"})
     return rows, {"platform": platform, "nvme_bandwidth_mbps": bw, "capacity": capacity, "m_max": m_max,
-                  "n_sequences": len(base), "compute": compute.__dict__}
+                  "n_sequences": len(base), "n_traces": len(trace_readers), "compute": compute.__dict__}
 
 
 def write_validation_csv(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
