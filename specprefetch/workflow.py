@@ -51,7 +51,7 @@ class Pipeline:
     # ---------------------------------------------------------------- config
     def _write_resolved_config(self) -> str:
         """Write the resolved config once per content (never touched again, so no spurious reruns)."""
-        text = yaml.safe_dump(self.cfg, sort_keys=True)
+        text = yaml.safe_dump(self.cfg, sort_keys=False)
         path = Path(".snakemake") / "specprefetch" / f"config-{config_hash(self.cfg)}.yaml"
         if not path.exists() or path.read_text() != text:
             write_text_atomic(path, text)
@@ -65,6 +65,10 @@ class Pipeline:
         if workload is not None and workload != CORPUS:
             frag["workload"] = self.cfg["workloads"][workload]
         return config_hash(frag)
+
+    def order_hash(self) -> str:
+        """Hash of the order of models and workloads (config_hash ignores mapping order; the tables do not)."""
+        return config_hash([list(self.cfg["models"]), list(self.cfg["workloads"])])[:12]
 
     # ---------------------------------------------------------------- paths
     def workload_dir(self, workload: str) -> str:

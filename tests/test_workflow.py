@@ -31,7 +31,7 @@ def job_counts(output: str) -> dict[str, int]:
 COMMON = {"prepare_workload": 5, "prepare_corpus": 1, "check_disjoint": 1, "extract_traces": 12,
           "train_predictor": 16, "evaluate_recall": 10, "gather_recall": 1, "gather_params": 1,
           "render_table": 5, "render_figure": 6, "collect_device_benchmarks": 1, "compare_with_paper": 1,
-          "write_preview": 1, "paper_tables": 1, **({"compile_preview": 1} if shutil.which("pdflatex") else {})}
+          "write_preview": 1, "archive_results": 1, "paper_tables": 1, **({"compile_preview": 1} if shutil.which("pdflatex") else {})}
 DEVICE_RULES = ("build_expert_store", "profile_window", "bench_runtime", "simulate_device", "evaluate_offloaded")
 STAND_INS = {"train_tokenizer": 1, "pretrain_stand_in": 2, **{r: 2 for r in DEVICE_RULES}}
 EXPECTED = {
@@ -102,6 +102,18 @@ def test_smoke_profile_end_to_end(tmp_path: Path) -> None:
     for t in ("table1_recall", "table2_ablation", "table3_params", "table4_overhead", "table5_matched"):
         assert "\\begin{tabular}" in (tables / f"{t}.tex").read_text()
     assert (tables / "comparison.md").exists()
+    # CI's table diff on the smoke profile, from scratch: every cell against the committed smoke rendering, with the
+    # smoke profile's tolerances (recall within 1 pp, parameter counts exact; timings listed, never failing).
+    diff = subprocess.run([sys.executable, "-m", "specprefetch", "diff-tables", str(ROOT / "tests/golden/smoke"),
+                           str(tables), "--config", str(ROOT / "config/smoke.yaml")], capture_output=True, text=True)
+    assert diff.returncode == 0 and "RESULT: OK" in diff.stdout, diff.stdout[-5000:] + diff.stderr[-2000:]
+    # The Snakemake report holds the tables and figures with their captions.
+    report = snakemake(tmp_path, "--report", str(tmp_path / "report.html"), "paper_tables", "--configfile",
+                       str(ROOT / "config/smoke.yaml"))
+    assert report.returncode == 0, (report.stdout + report.stderr)[-3000:]
+    html = (tmp_path / "report.html").read_text()
+    for part in ("table1_recall.tex", "fig4_budget.png", "comparison.md", "table5_matched.tex", "Figure 4."):
+        assert part in html, part
     # Nothing left to do: a second run is a no-op.
     again = snakemake(tmp_path, "-n", "--cores", "1", "paper_tables", "--configfile", str(ROOT / "config/smoke.yaml"))
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, again.stdout[-3000:]

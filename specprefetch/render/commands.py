@@ -28,12 +28,28 @@ def _add_input_flags(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None
     from specprefetch.render.targets import RESULT_PATHS as DEFAULT_PATHS
 
     for name in names:
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=Path, default=Path(DEFAULT_PATHS[name]),
-                       help=f"the {name} CSV (default {DEFAULT_PATHS[name]})")
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=Path, default=None,
+                       help=f"the {name} CSV (default {DEFAULT_PATHS[name]}, or its file name in --results-dir)")
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help="take every input not given by its own flag from this directory, by file name (e.g. the "
+                        "archived inputs paper_tables/results)")
 
 
 def _inputs(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Path]:
-    return {n: getattr(args, n) for n in names}
+    from specprefetch.render.targets import RESULT_PATHS as DEFAULT_PATHS
+
+    def default(name: str) -> Path:
+        path = Path(DEFAULT_PATHS[name])
+        return args.results_dir / path.name if args.results_dir is not None else path
+
+    return {n: getattr(args, n) or default(n) for n in names}
+
+
+def _cmd_archive(args: argparse.Namespace) -> None:
+    from specprefetch.render.data import archive_inputs
+
+    for path in archive_inputs(args.inputs, args.out_dir):
+        print(f"{path}: archived")
 
 
 def _cmd_render_tables(args: argparse.Namespace) -> None:
@@ -122,6 +138,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_input_flags(p, ("per_layer", "runs", "window", "window_events", "latency"))
     p.add_argument("--out-dir", required=True, type=Path, help="writes <figure>.{pdf,png,json} here")
     p.set_defaults(func=_cmd_render_figures)
+
+    p = sub.add_parser("archive-results", help="copy the rendering inputs (result CSVs) beside the rendering, so "
+                                               "the tables can be regenerated from them alone")
+    p.add_argument("inputs", nargs="+", type=Path, help="result CSVs (checked to be readable tables)")
+    p.add_argument("--out-dir", required=True, type=Path, help="e.g. paper_tables/results")
+    p.set_defaults(func=_cmd_archive)
 
     p = sub.add_parser("compare-paper", help="reproduced vs the paper's reported numbers: *_vs_paper.tex, "
                                              "comparison.md, comparison.json")

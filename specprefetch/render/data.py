@@ -9,6 +9,7 @@ figures and the comparison with the paper compute them once, the same way.
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from specprefetch.io import SpecPrefetchError
+from specprefetch.io import SpecPrefetchError, atomic_path
 from specprefetch.render.targets import RESULT_PATHS
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,23 @@ def read_result_csv(path: str | Path, contract: str) -> pd.DataFrame:
     for col in cols:
         df[col.name] = _coerce(df, col, path)
     return df
+
+
+def archive_inputs(paths: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
+    """Copy result CSVs into ``out_dir`` under their file names, byte for byte, after checking each against its
+    contract (found by file name: recall.csv, runs.csv, ...), so an archive never holds a table the renderer would
+    reject. Each copy is atomic."""
+    by_name = {Path(v).name: k for k, v in DEFAULT_PATHS.items()}
+    written = []
+    for path in map(Path, paths):
+        if path.name not in by_name:
+            raise RenderInputError(f"{path}: not a rendering input (expected one of {', '.join(sorted(by_name))})")
+        read_result_csv(path, by_name[path.name])
+        target = Path(out_dir) / path.name
+        with atomic_path(target) as tmp:
+            shutil.copyfile(path, tmp)
+        written.append(target)
+    return written
 
 
 # --------------------------------------------------------------------------------------------- selection helpers

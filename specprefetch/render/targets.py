@@ -36,6 +36,9 @@ FIGURE_INPUTS: dict[str, tuple[str, ...]] = {
     "fig_recall_per_layer": ("per_layer",),
 }
 TABLE_NAMES = list(TABLE_INPUTS)
+# The rendering inputs are archived beside the rendering (``<out_dir>/results/<file name>``, committed for the
+# embedded default), so the tables can be regenerated from them alone: CI does, then diffs against the commit.
+ARCHIVE_SUBDIR = "results"
 FIGURE_NAMES = list(FIGURE_INPUTS)
 REPORTED = "config/reference/paper_reported.yaml"
 
@@ -74,6 +77,11 @@ def comparison_files(cfg: Mapping[str, Any]) -> list[str]:
             + [f"{d}/figures_vs_paper.tex", f"{d}/comparison.md", f"{d}/comparison.json"])
 
 
+def archive_files(cfg: Mapping[str, Any]) -> dict[str, str]:
+    """Where ``rule archive_results`` copies each rendering input: ``<out_dir>/results/<its file name>``."""
+    return {k: f"{out_dir(cfg)}/{ARCHIVE_SUBDIR}/{v.rsplit('/', 1)[-1]}" for k, v in RESULT_PATHS.items()}
+
+
 def pdflatex_available() -> bool:
     return shutil.which("pdflatex") is not None
 
@@ -87,7 +95,8 @@ def preview_files(cfg: Mapping[str, Any], with_pdf: bool | None = None) -> list[
 
 def all_outputs(cfg: Mapping[str, Any], with_pdf: bool | None = None) -> list[str]:
     """Everything ``rule paper_tables`` should depend on from the rendering stage."""
-    return table_files(cfg) + figure_files(cfg) + comparison_files(cfg) + preview_files(cfg, with_pdf)
+    return (table_files(cfg) + figure_files(cfg) + comparison_files(cfg) + preview_files(cfg, with_pdf)
+            + list(archive_files(cfg).values()))
 
 
 def skipped_pdf_message(cfg: Mapping[str, Any]) -> str | None:

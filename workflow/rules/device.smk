@@ -1,6 +1,10 @@
 # Offloaded-MoE runtime (issue 5): expert store, window profiling, paired runtime benchmarks, the trace-driven
 # simulator, external device logs, and accuracy through lm-eval (Tables 4-5, Figures 1, 4, 5, 6).
-# Timing rules take every core (threads: workflow.cores) so nothing else runs while they measure.
+# Timing rules take every core (threads: EXCLUSIVE_THREADS) so nothing else runs while they measure.
+
+# Every core when --cores is given; 1 when it is not (e.g. `snakemake --report`, which runs nothing).
+EXCLUSIVE_THREADS = workflow._cores or 1
+
 
 from specprefetch.runtime.settings import device_settings
 
@@ -61,7 +65,7 @@ rule profile_window:
         "logs/profile_window/{model}.log",
     benchmark:
         "benchmarks/profile_window/{model}.tsv"
-    threads: workflow.cores
+    threads: EXCLUSIVE_THREADS
     resources:
         **P.resources("profile_window"),
     shell:
@@ -88,7 +92,7 @@ rule bench_runtime:
         "logs/bench_runtime/{model}.log",
     benchmark:
         "benchmarks/bench_runtime/{model}.tsv"
-    threads: workflow.cores
+    threads: EXCLUSIVE_THREADS
     resources:
         **P.resources("bench_runtime"),
     shell:

@@ -7,7 +7,8 @@
 from specprefetch.render import targets as RT
 
 RENDER_DIR = RT.out_dir(P.cfg)
-RENDER_HASH = P.hash_of("models", "workloads", "recall", "predictors", "render")
+# The tables follow the config's order of models and workloads (the paper's), so the order is part of the hash.
+RENDER_HASH = P.hash_of("models", "workloads", "recall", "predictors", "render") + "-" + P.order_hash()
 
 
 wildcard_constraints:
@@ -21,6 +22,25 @@ localrules:
     compare_with_paper,
     write_preview,
     compile_preview,
+    archive_results,
+
+
+rule archive_results:
+    """The rendering inputs (result CSVs) copied beside the rendering, so the tables regenerate from them alone."""
+    input:
+        list(RT.RESULT_PATHS.values()),
+    output:
+        list(RT.archive_files(P.cfg).values()),
+    log:
+        "logs/archive_results/archive.log",
+    benchmark:
+        "benchmarks/archive_results/archive.tsv"
+    threads: 1
+    resources:
+        mem_mb=1000,
+        runtime=5,
+    shell:
+        "{SP} archive-results --out-dir {RENDER_DIR}/{RT.ARCHIVE_SUBDIR} {input} 2>&1 | tee {log}"
 
 
 rule render_table:
