@@ -46,10 +46,20 @@ include: "workflow/rules/device.smk"
 include: "workflow/rules/render.smk"
 
 
+# Cheap rules run on the submitting host, never as a cluster job (SLURM profile: profiles/slurm).
 localrules:
     paper_tables,
+    prepare_workload,
+    check_disjoint,
     gather_recall,
     gather_params,
+    render_table,
+    render_figure,
+    compare_with_paper,
+    write_preview,
+    compile_preview,
+    collect_device_benchmarks,
+    archive_results,
 
 
 if (msg := RT.skipped_pdf_message(P.cfg)) is not None:
