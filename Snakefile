@@ -73,3 +73,21 @@ rule paper_tables:
         RT.all_outputs(P.cfg),
         expand("results/device/accuracy/{model}.csv", model=DEV_MODELS),
     default_target: True
+
+
+# Between-workflow caching of the expensive deterministic rules: with `snakemake --cache` and
+# SNAKEMAKE_OUTPUT_CACHE=/shared/dir, a stand-in, tokenizer or trace shard made once (in any working directory with
+# the same config sections and inputs) is reused instead of recomputed. The cache key covers the rule's command,
+# its params (the hash of the config sections it reads) and its inputs, not the specprefetch code: clear the cache
+# after changing stand-in pretraining or extraction code. Snakemake refuses a cached rule with a benchmark file
+# (a cache hit has no timings), so under --cache these rules write none.
+CACHEABLE_RULES = ("prepare_corpus", "train_tokenizer", "pretrain_stand_in", "extract_traces")
+if workflow.workflow_settings is not None and workflow.workflow_settings.cache is not None:
+    from snakemake.caching.rule import RuleCache
+
+    for _name in CACHEABLE_RULES:
+        if workflow.is_rule(_name) and (not workflow.workflow_settings.cache
+                                        or _name in workflow.workflow_settings.cache):
+            _rule = workflow.get_rule(_name)
+            _rule.cache = RuleCache.from_rule(_rule, "omit-software")
+            _rule._benchmark = None

@@ -151,6 +151,10 @@ def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
             _check_path(w.get("path"), f"{key}.path", base_dir)
         if w["generator"] not in ("hub", "local") and "n_samples" not in w:
             raise ConfigError(f"invalid config key '{key}.n_samples': required for generator {w['generator']!r}")
+        scatter = int(cfg["traces"].get("scatter", 1))
+        if w.get("n_samples") is not None and scatter > int(w["n_samples"]):
+            raise ConfigError(f"invalid config key 'traces.scatter': {scatter} shards for {w['n_samples']} samples "
+                              f"of workload {name} (workloads.{name}.n_samples); each shard needs a sample")
     ds = cfg["predictors"]["training"].get("deepspeed_config")
     if ds:
         _check_path(ds, "predictors.training.deepspeed_config", base_dir)

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from glob import escape as glob_escape
 from typing import Any
 
 
@@ -29,11 +31,16 @@ class SpecPrefetchError(RuntimeError):
 def atomic_path(target: str | os.PathLike, is_dir: bool = False) -> Iterator[Path]:
     """Yield a temporary path next to ``target``; rename it onto ``target`` only if the block succeeds.
 
-    For directories the temporary directory is created empty; for files nothing is created.
+    For directories the temporary directory is created empty; for files nothing is created. Temporaries of the same
+    target left by a killed writer (SIGKILL leaves no chance to clean up) are removed first: one job owns a target.
     On any exception the temporary path is removed and ``target`` is left untouched.
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    mine = re.compile(rf"\.{re.escape(target.name)}\.[a-z0-9_]{{8}}\.tmp")  # tempfile.mkdtemp's names
+    for stale in target.parent.glob(f".{glob_escape(target.name)}.*.tmp"):  # left by a killed job (SIGKILL)
+        if mine.fullmatch(stale.name):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     work = tmp if is_dir else tmp / target.name
     try:

@@ -13,6 +13,7 @@ C_M is a prefix of C_{M'} for M < M'. Candidate slots a method cannot fill are -
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -196,6 +197,7 @@ def evaluate_recall(
     write_json_atomic(out_csv.with_name(out_csv.stem + ".provenance.json"), {
         "model": model_name, "workload": workload, "candidates": mode, "budgets": budgets, "n_tokens": n_tokens,
         "trace": {"dir": str(trace_dir), "manifest_sha256": sha256_file(Path(trace_dir) / "manifest.json")},
+        "scatter": man.get("scatter"),
         "predictors": metas,
         "provenance": provenance({"recall": dict(cfg["recall"]), "model": dict(cfg["models"][model_name])}),
     })
@@ -224,23 +226,54 @@ def _read_csv(path: Path, columns: Sequence[str]) -> pd.DataFrame:
     return df[list(columns)]
 
 
+def _scatter_of(csv: Path) -> tuple[int, int]:
+    """(index, count) of the trace scatter shard a recall CSV was evaluated on (0, 1 for a whole trace)."""
+    prov = csv.with_name(csv.stem + ".provenance.json")
+    info = (json.loads(prov.read_text()).get("scatter") if prov.is_file() else None) or {}
+    return int(info.get("index", 0)), int(info.get("count", 1))
+
+
+def _token_weighted(frames: list[pd.DataFrame], key: list[str]) -> pd.DataFrame:
+    """Join per-shard recall rows: ExpertRecall is a mean over tokens, so the token-weighted mean of the shards'
+    values is the recall of the whole trace (exact in token candidate mode); ``n_tokens`` adds up."""
+    df = pd.concat(frames, ignore_index=True)
+    df["_hits"] = df["expert_recall"] * df["_w"]
+    out = df.groupby(key, sort=False).agg(_hits=("_hits", "sum"), _w=("_w", "sum")).reset_index()
+    out["expert_recall"] = out["_hits"] / out["_w"]
+    return out
+
+
 def gather_recall(csvs: Iterable[Path], out: Path) -> pd.DataFrame:
     """Concatenate per-(model, workload) recall CSVs into one table (and their per-layer files when all
-    inputs have one). A (model, workload, method, M) key present twice is an error."""
+    inputs have one). The CSVs of the scatter shards of one trace set (their provenance names shard i of N) are
+    joined token-weighted, and must be shards 0..N-1 exactly; any other (model, workload, method, M) key present
+    twice is an error."""
     csvs = [Path(c) for c in csvs]
     if not csvs:
         raise SpecPrefetchError("gather_recall: no input CSVs")
-    df = pd.concat([_read_csv(c, RECALL_COLUMNS) for c in csvs], ignore_index=True)
     key = ["model", "workload", "method", "M"]
-    dup = df[df.duplicated(key, keep=False)]
-    if not dup.empty:
-        first = dup.iloc[0]
-        raise SpecPrefetchError(f"gather_recall: duplicate rows for {dict(first[key])} in the inputs")
-    df = df.sort_values(key, kind="stable").reset_index(drop=True)
+    frames = [_read_csv(c, RECALL_COLUMNS) for c in csvs]
+    for c, f in zip(csvs, frames, strict=True):
+        f["_w"] = f["n_tokens"].astype(float)
+        f["_shard"], f["_count"] = _scatter_of(c)
+    rows = pd.concat(frames, ignore_index=True)
+    for k, g in rows.groupby(key, sort=False):
+        n = int(g["_count"].iloc[0])
+        if len(g) > 1 and (n == 1 or (g["_count"] != n).any() or sorted(g["_shard"]) != list(range(n))):
+            raise SpecPrefetchError(f"gather_recall: duplicate rows for {dict(zip(key, k, strict=True))} in the "
+                                    f"inputs (only the scatter shards 0..N-1 of one trace set may repeat a key)")
+    df = _token_weighted(frames, key)
+    df["n_tokens"] = df["_w"].round().astype(int)
+    df = df[RECALL_COLUMNS].sort_values(key, kind="stable").reset_index(drop=True)
     _write_csv(df, Path(out))
     layer_files = [per_layer_path(c) for c in csvs]
-    if all(p.is_file() for p in layer_files):
-        layers = pd.concat([_read_csv(p, PER_LAYER_COLUMNS) for p in layer_files], ignore_index=True)
+    if all(path.is_file() for path in layer_files):
+        layer_frames = []
+        for f, path in zip(frames, layer_files, strict=True):
+            lf = _read_csv(path, PER_LAYER_COLUMNS)
+            lf["_w"] = float(f["n_tokens"].iloc[0])
+            layer_frames.append(lf)
+        layers = _token_weighted(layer_frames, [*key, "layer"])[PER_LAYER_COLUMNS]
         layers = layers.sort_values([*key, "layer"], kind="stable").reset_index(drop=True)
         _write_csv(layers, per_layer_path(Path(out)))
     return df

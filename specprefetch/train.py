@@ -14,10 +14,12 @@ loss curve, wall time and provenance) appears atomically.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -131,7 +133,8 @@ def _check_dims_vs_config(dims: PredictorDims, mcfg: Mapping[str, Any], where: s
 
 def _make_trainer(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mapping[str, Any], steps: int,
                   precision: str, out_dir: str, loss_log: list[float]) -> Any:
-    """A ``transformers.Trainer`` whose loss is the next-layer KL (custom ``compute_loss``)."""
+    """A ``transformers.Trainer`` whose loss is the next-layer KL (custom ``compute_loss``); with
+    ``checkpoint_steps`` it saves a resumable checkpoint (the latest only) in ``out_dir`` that often."""
     from transformers import Trainer, TrainingArguments
 
     class _KLTrainer(Trainer):
@@ -168,7 +171,9 @@ def _make_trainer(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mappin
         seed=int(tcfg["seed"]),
         data_seed=int(tcfg["seed"]),
         logging_steps=max(1, steps // 20),
-        save_strategy="no",
+        save_strategy="steps" if int(tcfg.get("checkpoint_steps", 0)) > 0 else "no",
+        save_steps=max(1, int(tcfg.get("checkpoint_steps", 0))),
+        save_total_limit=1,
         report_to="none",
         remove_unused_columns=False,
         label_names=[],
@@ -176,6 +181,7 @@ def _make_trainer(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mappin
         dataloader_pin_memory=cuda,
         use_cpu=not cuda,
         accelerator_config={"dispatch_batches": False, "split_batches": False},
+        ddp_find_unused_parameters=False,  # multi-process runs (torchrun): every adapter gets a gradient
         deepspeed=ds if (ds and cuda) else None,
     )
     return _KLTrainer(model=predictor, args=args, train_dataset=dataset, data_collator=collate)
@@ -186,19 +192,51 @@ def _first(items: Sequence[Any]) -> Any:
     return items[0]
 
 
+def latest_checkpoint(ckpt_dir: Path | None) -> Path | None:
+    """The newest complete ``checkpoint-<step>`` in ``ckpt_dir`` (the Trainer writes its trainer_state.json last)."""
+    if ckpt_dir is None or not ckpt_dir.is_dir():
+        return None
+    done = [d for d in ckpt_dir.glob("checkpoint-*") if (d / "trainer_state.json").is_file()
+            and d.name.split("-")[-1].isdigit()]
+    return max(done, key=lambda d: int(d.name.split("-")[-1]), default=None)
+
+
+def _checkpoint_dir(ckpt_dir: Path, fingerprint: str) -> Path:
+    """``ckpt_dir`` holding only checkpoints of this very run: one of another config or data is discarded."""
+    stamp = ckpt_dir / "fingerprint.txt"
+    if ckpt_dir.exists() and (not stamp.is_file() or stamp.read_text() != fingerprint):
+        log.info("discarding %s: checkpoints of another configuration", ckpt_dir)
+        shutil.rmtree(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(fingerprint)
+    return ckpt_dir
+
+
 def _fit_learned(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mapping[str, Any],
-                 precision: str) -> dict[str, Any]:
-    """Run the Trainer; return what meta.json records about the run."""
+                 precision: str, ckpt_dir: Path | None = None) -> dict[str, Any]:
+    """Run the Trainer; return what meta.json records about the run.
+
+    With ``checkpoint_steps`` and a ``ckpt_dir`` (kept beside the output, so a preempted or killed job finds it),
+    the run resumes from the newest checkpoint there (weights, optimizer, scheduler, RNG state and data position:
+    the result equals an uninterrupted run) and the directory is removed after success.
+    """
     import torch.distributed as dist
 
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    # torchrun / accelerate launch set WORLD_SIZE before the Trainer initialises the process group
+    world = (dist.get_world_size() if dist.is_available() and dist.is_initialized()
+             else int(os.environ.get("WORLD_SIZE", 1)))
     steps = steps_for(dataset.n_chunks, float(tcfg["epochs"]), world)
     loss_log: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="specprefetch-trainer-") as tmp:
-        trainer = _make_trainer(predictor, dataset, collate, tcfg, steps, precision, tmp, loss_log)
-        log.info("training %s: %d steps over %d chunks (%d tokens), %s", predictor.method, steps,
-                 dataset.n_chunks, dataset.n_tokens, precision)
-        trainer.train()
+    use_ckpt = ckpt_dir is not None and int(tcfg.get("checkpoint_steps", 0)) > 0
+    resume = latest_checkpoint(ckpt_dir) if use_ckpt else None
+    with contextlib.ExitStack() as stack:
+        out = str(ckpt_dir) if use_ckpt else stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="specprefetch-trainer-"))
+        trainer = _make_trainer(predictor, dataset, collate, tcfg, steps, precision, out, loss_log)
+        log.info("training %s: %d steps over %d chunks (%d tokens), %s%s", predictor.method, steps,
+                 dataset.n_chunks, dataset.n_tokens, precision, f", resuming from {resume}" if resume else "")
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        history = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     predictor.to("cpu").float().eval()
     tail = max(1, len(loss_log) // 20)
     return {
@@ -208,6 +246,8 @@ def _fit_learned(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mapping
         "initial_loss": loss_log[0] if loss_log else None,
         "final_loss": sum(loss_log[-tail:]) / tail if loss_log else None,
         "loss_curve": loss_log,
+        "logged_loss": history,  # the Trainer's logged losses (kept across a resume)
+        "resumed_from_step": int(resume.name.split("-")[-1]) if resume else None,
         "world_size": world,
     }
 
@@ -281,7 +321,14 @@ def train_predictor(
     if learned:
         precision = resolve_precision(tcfg.get("precision", "auto"))
         run.update(precision=precision, batch_tokens=int(tcfg.get("batch_tokens", 1024)))
-        run.update(_fit_learned(predictor, dataset, collate, tcfg, precision))
+        ckpt_dir = None
+        if int(tcfg.get("checkpoint_steps", 0)) > 0:
+            fingerprint = config_hash({"model": dict(mcfg), "method": method, "method_cfg": predictor.method_cfg,
+                                       "training": dict(tcfg), "dims": dataclasses.asdict(dims), "online": online,
+                                       "trace": sha256_file(Path(train_traces) / "manifest.json")
+                                       if reader is not None else None})
+            ckpt_dir = _checkpoint_dir(Path(out_dir).parent / f".{Path(out_dir).name}.checkpoints", fingerprint)
+        run.update(_fit_learned(predictor, dataset, collate, tcfg, precision, ckpt_dir))
     elif online:
         _fit_statistics_online(predictor, bundle, dataset)
         run["n_tokens"] = dataset.n_tokens
@@ -310,6 +357,8 @@ def train_predictor(
         return {**predictor.meta(), **meta}
     with atomic_path(out_dir, is_dir=True) as tmp:
         predictor.save(tmp, extra_meta=meta)
+    if learned:  # the output is complete: its resume checkpoints are no longer needed
+        shutil.rmtree(Path(out_dir).parent / f".{Path(out_dir).name}.checkpoints", ignore_errors=True)
     log.info("saved %s predictor for %s to %s (%d trainable params, final loss %s, %.1fs)", method, model_name,
              out_dir, predictor.trainable_params(), meta["final_loss"], meta["wall_time_s"])
     return {**predictor.meta(), **meta}

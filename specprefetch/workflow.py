@@ -92,7 +92,34 @@ class Pipeline:
         return f"--model-dir {d}" if d else ""
 
     def trace_dir(self, model: str, workload: str) -> str:
+        """A whole trace set, gathered from its scatter shards."""
         return f"results/traces/{model}/{workload}"
+
+    @property
+    def trains_on_traces(self) -> bool:
+        """Predictors learn from stored corpus traces (source: traces) or from the live model (source: online)."""
+        return self.cfg["predictors"]["training"].get("source", "traces") == "traces"
+
+    def train_inputs(self, model: str) -> dict[str, Any]:
+        """What train_predictor reads: the corpus, the model, and the corpus traces unless training online."""
+        inputs: dict[str, Any] = {"corpus": "results/corpus", "model": self.model_inputs(model)}
+        if self.trains_on_traces:
+            inputs["traces"] = self.trace_dir(model, CORPUS)
+        return inputs
+
+    def train_command(self, python: str) -> str:
+        """How train_predictor starts: ``python -m specprefetch``, or the configured multi-process launcher
+        (``predictors.training.launcher``, e.g. torchrun) running the same module."""
+        launcher = self.cfg["predictors"]["training"].get("launcher")
+        return f"{launcher} -m specprefetch" if launcher else f"{python} -m specprefetch"
+
+    @property
+    def scatter(self) -> int:
+        """Extraction (and recall evaluation) jobs per trace set: config traces.scatter (default 1)."""
+        return int(self.cfg["traces"].get("scatter", 1))
+
+    def trace_shard_dirs(self, model: str, workload: str) -> list[str]:
+        return [f"results/trace_shards/{model}/{workload}/{i}" for i in range(self.scatter)]
 
     def predictor_dir(self, model: str, method: str) -> str:
         return f"results/predictors/{model}/{method}"
@@ -102,7 +129,8 @@ class Pipeline:
 
     # ---------------------------------------------------------------- targets
     def recall_csvs(self) -> list[str]:
-        return [f"results/recall/{m}/{w}.csv" for m in self.models for w in self.workloads]
+        return [f"results/recall/{m}/{w}/{i}.csv" for m in self.models for w in self.workloads
+                for i in range(self.scatter)]
 
     def predictor_dirs(self) -> list[str]:
         return [self.predictor_dir(m, meth) for m in self.models for meth in self.methods]

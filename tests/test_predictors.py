@@ -350,6 +350,53 @@ def test_training_is_deterministic(cfg: dict, corpus: Path, tmp_path: Path) -> N
     assert (tmp_path / "c" / "predictor.safetensors").read_bytes() != a
 
 
+def test_preempted_training_resumes_from_its_checkpoint(cfg: dict, corpus: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job killed mid-training leaves no output but a checkpoint beside it; the rerun resumes there and ends
+    with the weights of an uninterrupted run."""
+    from transformers import TrainerCallback
+
+    import specprefetch.train as train_mod
+
+    cfg = copy.deepcopy(cfg)
+    cfg["predictors"]["training"]["checkpoint_steps"] = 3
+    train_predictor(cfg, MODEL, "specprefetch", corpus, tmp_path / "whole")
+    assert not (tmp_path / ".whole.checkpoints").exists()  # removed after success
+
+    class Preempt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001, ANN003
+            if state.global_step == 5:
+                raise KeyboardInterrupt("preempted")  # after checkpoint-3, before checkpoint-6
+
+    make = train_mod._make_trainer
+
+    def preempted(*a, **kw):  # noqa: ANN002, ANN003
+        trainer = make(*a, **kw)
+        trainer.add_callback(Preempt())
+        return trainer
+
+    monkeypatch.setattr(train_mod, "_make_trainer", preempted)
+    with pytest.raises(KeyboardInterrupt):
+        train_predictor(cfg, MODEL, "specprefetch", corpus, tmp_path / "job")
+    assert not (tmp_path / "job").exists()
+    assert (tmp_path / ".job.checkpoints" / "checkpoint-3" / "trainer_state.json").is_file()
+    monkeypatch.setattr(train_mod, "_make_trainer", make)
+    meta = train_predictor(cfg, MODEL, "specprefetch", corpus, tmp_path / "job")
+    assert meta["training"]["resumed_from_step"] == 3
+    assert not (tmp_path / ".job.checkpoints").exists()
+    a, b = load_predictor(tmp_path / "whole"), load_predictor(tmp_path / "job")
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+    # a checkpoint of another configuration is never resumed
+    cfg["predictors"]["training"]["lr"] = 5e-3
+    monkeypatch.setattr(train_mod, "_make_trainer", preempted)
+    with pytest.raises(KeyboardInterrupt):
+        train_predictor(cfg, MODEL, "specprefetch", corpus, tmp_path / "job2")
+    monkeypatch.setattr(train_mod, "_make_trainer", make)
+    cfg["predictors"]["training"]["lr"] = 1e-2
+    assert train_predictor(cfg, MODEL, "specprefetch", corpus, tmp_path / "job2")["training"]["resumed_from_step"] is None
+
+
 @pytest.mark.parametrize("method", ["fate", "frequency", "previous_token", "oracle"])
 def test_training_free_methods_just_save(method: str, cfg: dict, corpus: Path, tmp_path: Path) -> None:
     meta = train_predictor(cfg, MODEL, method, corpus, tmp_path / method)
@@ -453,3 +500,32 @@ def test_layer_token_scores_match_batch_priorities(method: str, batch: dict) -> 
         full = p.priorities(batch)
         for l in range(2):
             torch.testing.assert_close(p.layer_token_scores(l, batch["x"][l]), full[l])
+
+
+def test_multi_process_training_with_torchrun(cfg: dict, corpus: Path, tmp_path: Path) -> None:
+    """predictors.training.launcher: torchrun starts 2 processes (gloo on CPU); the Trainer splits the data, DDP
+    averages the gradients, rank 0 alone writes the predictor."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun not installed beside this Python")
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    out = tmp_path / "ddp"
+    res = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "specprefetch",
+                          "train-predictor", "--config", str(cfg_path), "--model", MODEL, "--method", "specprefetch",
+                          "--traces", str(corpus), "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         cwd=tmp_path)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    meta = json.loads((out / "meta.json").read_text())
+    chunks = TraceChunks(TraceReader(corpus), cfg["predictors"]["training"]["batch_tokens"], seed=0).n_chunks
+    assert meta["training"]["world_size"] == 2 and meta["training"]["steps"] == -(-chunks // 2)
+    assert load_predictor(out).trainable_params() == meta["trainable_params"]
+    assert (res.stdout + res.stderr).count("saved specprefetch predictor") == 1  # rank 0 writes, rank 1 does not
+    assert not list(tmp_path.glob(".ddp*"))  # no temporaries or checkpoints left behind

@@ -433,3 +433,87 @@ def test_gate_indices_and_recompute_agree(smoke_cfg, model_dir, workload_dir):
         wrong[0] = (wrong[0] + 1) % spec.n_experts
         with pytest.raises(SpecPrefetchError, match="gate 0"):
             route_captured(spec, xs, None, torch.float32, torch.float32, executed=wrong, check=True)
+
+
+def _concat(reader: TraceReader) -> dict[str, torch.Tensor]:
+    shards = list(reader.iter_shards())
+    return {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
+
+
+def test_scatter_shards_gather_into_the_single_job_trace(smoke_cfg, model_dir, workload_dir, tmp_path):
+    """Extraction split over 3 jobs (--shard I/3) and gathered reads exactly like one job's trace."""
+    from specprefetch.cli import main
+    from specprefetch.config import REPO_ROOT
+    from specprefetch.traces.extract import extract_traces
+    from specprefetch.traces.store import gather_traces
+
+    name, mdir = model_dir
+    cfg = {**smoke_cfg, "traces": {**smoke_cfg["traces"], "shard_tokens": 60}}  # 2 files for 3 samples
+    whole = tmp_path / "whole"
+    extract_traces(cfg, name, mdir, workload_dir, whole)
+    parts = [tmp_path / f"part{i}" for i in range(3)]
+    for i, part in enumerate(parts):
+        extract_traces(cfg, name, mdir, workload_dir, part, shard=(i, 3))
+    with pytest.raises(SystemExit):
+        main(["extract-traces", "--config", str(REPO_ROOT / "config" / "smoke.yaml"), "--model", name,
+              "--workload-dir", str(workload_dir), "--out", str(tmp_path / "x"), "--shard", "3/3"])
+    ranges = [TraceReader(p).manifest["scatter"]["samples"] for p in parts]
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(SAMPLES) and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    with pytest.raises(TraceError, match=r"not shards 0..N-1"):
+        gather_traces(parts[:2], tmp_path / "incomplete")  # a shard missing
+    assert not (tmp_path / "incomplete").exists()
+    out = tmp_path / "gathered"
+    assert main(["gather-traces", *map(str, reversed(parts)), "--out", str(out)]) == 0  # any order
+    a, b = TraceReader(whole), TraceReader(out)
+    assert b.verify_all()["ok"]
+    for k in ("n_tokens", "n_samples", "n_image_tokens", "n_prompt_tokens", "moe_layers", "model", "workload"):
+        assert a.manifest[k] == b.manifest[k], k
+    assert len(a.manifest["shards"]) == 2 < len(parts)  # the gathered trace is repacked, not concatenated
+    ta, tb = _concat(a), _concat(b)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k  # same tokens, same order, same (workload-global) sample_index
+    # file for file what one job writes (same shard boundaries, so the same shuffled training order)
+    assert [(e["n_tokens"], e["sha256"]) for e in a.manifest["shards"]] == \
+        [(e["n_tokens"], e["sha256"]) for e in b.manifest["shards"]]
+    assert len(b.manifest["provenance"]["gathered_from"]) == 3
+    single = tmp_path / "single"
+    assert main(["gather-traces", str(whole), "--out", str(single)]) == 0  # one shard: hard-linked as it is
+    assert (single / "shard-00000.safetensors").stat().st_nlink == 2
+
+
+def test_gather_rejects_shards_of_different_traces(smoke_cfg, model_dir, workload_dir, tmp_path):
+    from specprefetch.traces.extract import extract_traces
+    from specprefetch.traces.store import gather_traces
+
+    name, mdir = model_dir
+    p0, p1 = tmp_path / "p0", tmp_path / "p1"
+    extract_traces(smoke_cfg, name, mdir, workload_dir, p0, shard=(0, 2))
+    other = {**smoke_cfg, "traces": {**smoke_cfg["traces"], "logits_dtype": "float16"}}
+    extract_traces(other, name, mdir, workload_dir, p1, shard=(1, 2))
+    with pytest.raises(TraceError, match=r"p1/manifest.json: dtypes=.*differs from"):
+        gather_traces([p0, p1], tmp_path / "g")
+    assert not (tmp_path / "g").exists()
+    n = 2 * len(SAMPLES)
+    with pytest.raises(SpecPrefetchError, match=f"scatter shard 0 of {n} is empty"):
+        extract_traces(smoke_cfg, name, mdir, workload_dir, tmp_path / "e", shard=(0, n))
+
+
+def test_sizing_matches_a_real_trace_and_plans_the_paper_profile(smoke_cfg, model_dir, workload_dir, tmp_path):
+    """estimate-resources: bytes/token from the config equal a written trace's; tokens are measured from results/."""
+    from specprefetch.config import REPO_ROOT, load_config
+    from specprefetch.sizing import TOKEN_META_BYTES, bytes_per_token, estimate, trace_sets
+    from specprefetch.traces.extract import extract_traces
+
+    name, mdir = model_dir
+    out = tmp_path / "results" / "traces" / name / "gsm8k"
+    stats = extract_traces(smoke_cfg, name, mdir, workload_dir, out)
+    assert bytes_per_token(smoke_cfg, name) == stats["bytes_per_token_per_layer"] * stats["n_moe_layers"] + \
+        TOKEN_META_BYTES
+    measured = {(s.model, s.workload): s for s in trace_sets(smoke_cfg, tmp_path / "results")}
+    assert measured[(name, "gsm8k")].measured and measured[(name, "gsm8k")].tokens == stats["n_tokens"]
+    assert not measured[(name, "corpus")].measured
+    paper = load_config(REPO_ROOT / "config" / "paper.yaml")
+    rows = {r["rule"]: r for r in estimate(paper)}
+    assert rows["extract_traces"]["jobs"] == 10 * paper["traces"]["scatter"]  # online training: no corpus traces
+    assert rows["extract_traces"]["storage_gb"] > 100 and rows["train_predictor"]["gpu_hours"] > 1

@@ -26,19 +26,29 @@ def job_counts(output: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", block, re.M)}
 
 
-# Per profile: 5 workloads, 2 models x (corpus + 5 workloads) traces, 2 x 8 predictors, 2 x 5 recall evaluations,
-# runtime benchmarks per device model, 5 tables, 6 figures; the PDF only where pdflatex is installed.
-COMMON = {"prepare_workload": 5, "prepare_corpus": 1, "check_disjoint": 1, "extract_traces": 12,
-          "train_predictor": 16, "evaluate_recall": 10, "gather_recall": 1, "gather_params": 1,
+# Per profile: 5 workloads, 2 models x (corpus + 5 workloads) trace sets of traces.scatter shards each, gathered
+# where the whole set is read (the corpus for training, the simulator's workloads), 2 x 8 predictors, recall per
+# shard, runtime benchmarks per device model, 5 tables, 6 figures; the PDF only where pdflatex is installed.
+COMMON = {"prepare_workload": 5, "prepare_corpus": 1, "check_disjoint": 1,
+          "train_predictor": 16, "gather_recall": 1, "gather_params": 1,
           "render_table": 5, "render_figure": 6, "collect_device_benchmarks": 1, "compare_with_paper": 1,
-          "write_preview": 1, "archive_results": 1, "paper_tables": 1, **({"compile_preview": 1} if shutil.which("pdflatex") else {})}
+          "write_preview": 1, "archive_results": 1, "paper_tables": 1,
+          **({"compile_preview": 1} if shutil.which("pdflatex") else {})}
+
+
+def traces(scatter: int, gathered: int, corpus: bool = True) -> dict[str, int]:
+    return {"extract_traces": (12 if corpus else 10) * scatter, "evaluate_recall": 10 * scatter,
+            "gather_traces": gathered}
+
+
 DEVICE_RULES = ("build_expert_store", "profile_window", "bench_runtime", "simulate_device", "evaluate_offloaded")
 STAND_INS = {"train_tokenizer": 1, "pretrain_stand_in": 2, **{r: 2 for r in DEVICE_RULES}}
 EXPECTED = {
-    "config/config.yaml": {**COMMON, **STAND_INS},
-    "config/smoke.yaml": {**COMMON, **STAND_INS},
-    # hub checkpoints: no tokenizer, no stand-in pretraining; the runtime benchmarks Qwen3-VL-30B-A3B only
-    "config/paper.yaml": {**COMMON, **{r: 1 for r in DEVICE_RULES}},
+    "config/config.yaml": {**COMMON, **STAND_INS, **traces(1, 2 + 2 * 2)},  # simulator: gsm8k, chartqa
+    "config/smoke.yaml": {**COMMON, **STAND_INS, **traces(2, 2 + 2 * 1)},
+    # hub checkpoints: no tokenizer, no stand-in pretraining; predictors train online (no corpus traces);
+    # the runtime benchmarks Qwen3-VL-30B-A3B only
+    "config/paper.yaml": {**COMMON, **traces(8, 1, corpus=False), **{r: 1 for r in DEVICE_RULES}},
 }
 
 
@@ -114,6 +124,63 @@ def test_smoke_profile_end_to_end(tmp_path: Path) -> None:
     html = (tmp_path / "report.html").read_text()
     for part in ("table1_recall.tex", "fig4_budget.png", "comparison.md", "table5_matched.tex", "Figure 4."):
         assert part in html, part
+    smoke = ("--configfile", str(ROOT / "config/smoke.yaml"))
     # Nothing left to do: a second run is a no-op.
-    again = snakemake(tmp_path, "-n", "--cores", "1", "paper_tables", "--configfile", str(ROOT / "config/smoke.yaml"))
+    again = snakemake(tmp_path, "-n", "--cores", "1", "paper_tables", *smoke)
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, again.stdout[-3000:]
+    # --forcerun render_table reruns the rendering and what depends on it, nothing upstream.
+    forced = snakemake(tmp_path, "-n", "--cores", "1", "paper_tables", "--forcerun", "render_table", *smoke)
+    assert forced.returncode == 0 and job_counts(forced.stdout) == {
+        "render_table": 5, "compare_with_paper": 1, "write_preview": 1, "paper_tables": 1,
+        **({"compile_preview": 1} if shutil.which("pdflatex") else {})}, forced.stdout[-3000:]
+    kill_an_extraction_shard_and_resume(tmp_path, smoke)
+
+
+def kill_an_extraction_shard_and_resume(workdir: Path, smoke: tuple[str, ...]) -> None:
+    """SIGKILL Snakemake while one extraction shard runs: no output is taken as complete, only that shard (and
+    what reads it) is redone, and --rerun-incomplete finishes the DAG."""
+    import signal
+    import time
+
+    shard = "results/trace_shards/tiny-qwen3-vl-moe/humaneval/1"
+    parent = workdir / shard.rsplit("/", 1)[0]
+    cmd = [SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "--directory", str(workdir), "--cores", "1", shard,
+           "--forcerun", "extract_traces", *smoke]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(parent.glob(".1.*.tmp")):  # the shard's writer is at work
+            assert proc.poll() is None and time.monotonic() < deadline, "the extraction job never started"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (workdir / shard).exists()  # nothing Snakemake would take as complete
+    assert snakemake(workdir, "--unlock", *smoke).returncode == 0  # the killed run's lock on the directory
+    plan = snakemake(workdir, "-n", "--cores", "1", "paper_tables", "--rerun-incomplete", *smoke)
+    counts = job_counts(plan.stdout)
+    assert plan.returncode == 0 and counts["extract_traces"] == 1 and counts["evaluate_recall"] == 1, counts
+    assert not {"pretrain_stand_in", "train_predictor", "gather_traces", "prepare_workload"} & set(counts)
+    done = snakemake(workdir, "--cores", "2", "paper_tables", "--rerun-incomplete", *smoke, timeout=1200)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert (workdir / shard / "manifest.json").is_file() and not list(parent.glob(".1.*.tmp"))
+
+
+@pytest.mark.slow
+def test_between_workflow_cache_reuses_expensive_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`snakemake --cache`: the corpus and tokenizer made in one working directory are reused in another."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("SNAKEMAKE_OUTPUT_CACHE", str(cache))
+    args = ("--cores", "1", "--configfile", str(ROOT / "config/smoke.yaml"), "--cache", "--", "results/tokenizer")
+    first = snakemake(tmp_path / "w1", *args)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    assert "Moving output file results/tokenizer to cache" in first.stdout + first.stderr
+    second = snakemake(tmp_path / "w2", *args)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-3000:]
+    assert "output file results/corpus" in out and "from cache" in out, out[-3000:]
+    assert (tmp_path / "w2" / "results" / "tokenizer" / "tokenizer.json").exists()
+    assert not (tmp_path / "w2" / "benchmarks").exists()  # nothing ran; cached rules write no benchmark

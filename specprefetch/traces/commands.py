@@ -1,4 +1,4 @@
-"""CLI: ``extract-traces``, ``verify-traces``, ``trace-stats``."""
+"""CLI: ``extract-traces``, ``gather-traces``, ``verify-traces``, ``trace-stats``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,25 @@ def _cmd_extract(args: argparse.Namespace) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    extract_traces(cfg, args.model, args.model_dir, args.workload_dir, args.out, device=args.device)
+    extract_traces(cfg, args.model, args.model_dir, args.workload_dir, args.out, device=args.device,
+                   shard=args.shard)
+
+
+def _parse_shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: expected I/N, e.g. 0/4") from None
+    if n < 1 or not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: need 0 <= I < N")
+    return i, n
+
+
+def _cmd_gather(args: argparse.Namespace) -> None:
+    from specprefetch.traces.store import gather_traces
+
+    stats = gather_traces(args.shards, args.out)
+    print(f"{args.out}: {len(args.shards)} scatter shard(s), {stats['n_tokens']} tokens")
 
 
 def _cmd_verify(args: argparse.Namespace) -> None:
@@ -34,6 +52,21 @@ def _cmd_stats(args: argparse.Namespace) -> None:
     print(json.dumps(trace_stats(args.dir), indent=2, sort_keys=True))
 
 
+def _cmd_estimate(args: argparse.Namespace) -> None:
+    from specprefetch.sizing import estimate, render_estimate, trace_sets
+
+    cfg = load_args_config(args)
+    samples = {}
+    for item in args.samples or []:
+        name, _, n = item.partition("=")
+        if not n.isdigit():
+            raise SystemExit(f"--samples {item!r}: expected WORKLOAD=N")
+        samples[name] = int(n)
+    sets = trace_sets(cfg, args.results, samples)
+    rows = estimate(cfg, args.results, samples, args.extract_tokens_per_s, args.read_gb_per_s * 1e9)
+    print(render_estimate(cfg, rows, sets))
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("extract-traces", help="run a model over a workload and store its routing traces")
     add_config_arg(p)
@@ -45,7 +78,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (pass the rule's {threads}: on an oversubscribed CPU more threads "
                         "than free cores makes every op wait for a time slice)")
+    p.add_argument("--shard", type=_parse_shard, default=None, metavar="I/N",
+                   help="extract only scatter shard I of N (a contiguous range of samples); join with gather-traces")
     p.set_defaults(func=_cmd_extract)
+
+    p = sub.add_parser("gather-traces", help="join the scatter shards of one trace set (extract-traces --shard) "
+                                             "into one trace directory (hard links, verified)")
+    p.add_argument("shards", nargs="+", type=Path, help="the shard trace directories, shards 0..N-1")
+    p.add_argument("--out", required=True, type=Path, help="trace directory to write (atomically)")
+    p.set_defaults(func=_cmd_gather)
+
+    p = sub.add_parser("estimate-resources", help="size a run before launching it: per trace set and rule, the "
+                                                  "tokens, storage and GPU-hours a profile needs")
+    add_config_arg(p)
+    p.add_argument("--results", type=Path, default=Path("results"),
+                   help="measure tokens from the traces already here (default results/)")
+    p.add_argument("--samples", action="append", metavar="WORKLOAD=N", help="override a workload's sample count")
+    p.add_argument("--extract-tokens-per-s", type=float, default=2000.0,
+                   help="trace-extraction throughput per GPU (default 2000, an assumption: measure it)")
+    p.add_argument("--read-gb-per-s", type=float, default=1.5, help="trace read bandwidth (default 1.5 GB/s)")
+    p.set_defaults(func=_cmd_estimate)
 
     p = sub.add_parser("verify-traces", help="check every file of a trace against its manifest (sha256)")
     p.add_argument("dir", type=Path)

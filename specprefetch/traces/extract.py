@@ -32,6 +32,7 @@ from specprefetch.traces.store import (
     TOPK_DTYPE,
     TraceWriter,
     dtype_from_name,
+    scatter_range,
     trace_stats,
 )
 
@@ -272,10 +273,12 @@ def _workload_sha(workload_dir: Path) -> str | None:
 
 # ------------------------------------------------------------------------------------------ driver
 def extract_traces(cfg: dict[str, Any], model_name: str, model_dir: Path | None, workload_dir: Path,
-                   out_dir: Path, device: str = "cpu") -> dict[str, Any]:
+                   out_dir: Path, device: str = "cpu", shard: tuple[int, int] | None = None) -> dict[str, Any]:
     """Write the routing trace of ``model_name`` on the workload in ``workload_dir`` to ``out_dir``.
 
-    Returns :func:`trace_stats` of the written trace. ``out_dir`` appears only when every sample succeeded.
+    ``shard=(i, n)`` extracts only scatter shard i of n (a contiguous range of samples, :func:`scatter_range`;
+    ``sample_index`` stays workload-global), for :func:`gather_traces` to join. Returns :func:`trace_stats` of the
+    written trace. ``out_dir`` appears only when every sample succeeded.
     """
     from specprefetch.data.workloads import read_workload
     from specprefetch.models import encode_sample, load_bundle
@@ -292,6 +295,12 @@ def extract_traces(cfg: dict[str, Any], model_name: str, model_dir: Path | None,
     samples = read_workload(workload_dir)
     if not samples:
         raise SpecPrefetchError(f"{workload_dir}: workload has no samples")
+    index, count = shard or (0, 1)
+    lo, hi = scatter_range(len(samples), index, count)
+    if lo == hi:
+        raise SpecPrefetchError(f"{workload_dir}: scatter shard {index} of {count} is empty ({len(samples)} samples); "
+                                f"lower config key 'traces.scatter'")
+    samples = samples[lo:hi]
     bundle = load_bundle(cfg, model_name, model_dir, device=device)
     spec = bundle.routing
     model_cfg = cfg["models"][model_name]
@@ -299,6 +308,7 @@ def extract_traces(cfg: dict[str, Any], model_name: str, model_dir: Path | None,
         "model": model_name,
         "workload": _workload_name(workload_dir),
         "mode": mode,
+        "scatter": {"index": index, "count": count, "samples": [lo, hi]},
         **{k: v for k, v in spec.describe().items() if k not in ("n_moe_layers",)},
         "provenance": provenance(
             tcfg, seed, traces_config=tcfg, model_config_hash=config_hash(model_cfg),
@@ -308,10 +318,11 @@ def extract_traces(cfg: dict[str, Any], model_name: str, model_dir: Path | None,
             device=str(device), profile=cfg.get("profile"),
         ),
     }
-    log.info("extracting %s traces of %s on %s (%d samples) -> %s", mode, model_name, workload_dir.name,
-             len(samples), out_dir)
+    log.info("extracting %s traces of %s on %s (%d samples, scatter shard %d of %d) -> %s", mode, model_name,
+             workload_dir.name, len(samples), index, count, out_dir)
     start = time.perf_counter()
-    with TraceWriter(out_dir, meta, int(tcfg["shard_tokens"]), input_dtype, logits_dtype) as writer, \
+    with TraceWriter(out_dir, meta, int(tcfg["shard_tokens"]), input_dtype, logits_dtype,
+                     sample_offset=lo) as writer, \
             torch.inference_mode():
         writer.set_routers(spec.router_tensors())
         n_truncated = 0

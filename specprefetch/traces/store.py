@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -93,6 +94,7 @@ class TraceWriter:
         shard_tokens: int,
         input_dtype: str | torch.dtype = "bfloat16",
         logits_dtype: str | torch.dtype = "float32",
+        sample_offset: int = 0,
     ) -> None:
         missing = [k for k in REQUIRED_META if k not in meta]
         if missing:
@@ -116,6 +118,7 @@ class TraceWriter:
         self._buffer: list[dict[str, torch.Tensor]] = []
         self.buffered_tokens = 0
         self.max_buffered_tokens = 0
+        self.sample_offset = int(sample_offset)  # a scatter shard's first sample: sample_index stays workload-global
         self.n_samples = 0
         self.n_tokens = 0
         self.n_image_tokens = 0
@@ -173,7 +176,7 @@ class TraceWriter:
         """
         if self._tmp is None:
             raise SpecPrefetchError("TraceWriter.add_sample called outside its `with` block")
-        index = self.n_samples
+        index = self.sample_offset + self.n_samples
         t = int(token_ids.shape[0])
         self._check_sample(index, x, logits, topk, token_ids, position, is_image, is_prompt)
         self.n_samples += 1
@@ -260,6 +263,7 @@ class TraceWriter:
             "n_moe_layers": self.n_layers,
             "n_tokens": self.n_tokens,
             "n_samples": self.n_samples,
+            "sample_offset": self.sample_offset,
             "n_image_tokens": self.n_image_tokens,
             "n_prompt_tokens": self.n_prompt_tokens,
             "shard_tokens": self.shard_tokens,
@@ -478,6 +482,117 @@ class TraceReader:
         batch: dict[str, Any] = {key: [flat[f"{key}.{i}"] for i in range(self.n_layers)] for key in PER_LAYER_KEYS}
         batch.update({k: flat[k] for k in TOKEN_KEYS})
         return batch
+
+
+# --------------------------------------------------------------------------------------------- scatter / gather
+
+# Manifest keys every scatter shard of one trace set must share (anything else would misalign the gathered trace).
+SHARED_KEYS = (*REQUIRED_META, "mode", "n_moe_layers", "shard_tokens", "dtypes")
+
+
+def scatter_range(n_samples: int, index: int, count: int) -> tuple[int, int]:
+    """Samples ``[lo, hi)`` of scatter shard ``index`` of ``count``: contiguous, sizes differing by at most one."""
+    if count < 1 or not 0 <= index < count:
+        raise SpecPrefetchError(f"invalid scatter shard {index} of {count}")
+    return index * n_samples // count, (index + 1) * n_samples // count
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link (no second copy of a large trace), copying where links are impossible (another filesystem)."""
+    try:
+        dst.hardlink_to(src)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def _samples_of(reader: TraceReader) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """(sample_index, its tokens' tensors) of every sample with tokens, in order."""
+    for shard in reader.iter_shards():
+        sidx = shard["sample_index"]
+        bounds = [0, *((sidx[1:] != sidx[:-1]).nonzero().flatten() + 1).tolist(), int(sidx.shape[0])]
+        for a, b in zip(bounds, bounds[1:]):
+            yield int(sidx[a]), {k: v[a:b] for k, v in shard.items()}
+
+
+def gather_traces(shard_dirs: Sequence[str | Path], out_dir: str | Path) -> dict[str, Any]:
+    """Join the scatter shards of one trace set (``extract-traces --shard I/N``) into one trace directory.
+
+    Every shard is verified (sha256 of every file); they must be shards 0..N-1 of the same N, share model,
+    workload, layers, dtypes and routers, and cover consecutive samples. The samples are replayed in order through
+    a fresh :class:`TraceWriter`, so the result is the trace one job would have written, file for file (the same
+    shard boundaries, hence the same shuffled training order: results do not depend on ``traces.scatter``); a
+    single shard is hard-linked as it is. The manifest is written last, atomically. Returns the trace's stats.
+    """
+    readers = [TraceReader(d, verify=True) for d in shard_dirs]
+    if not readers:
+        raise SpecPrefetchError("gather_traces: no shard directories")
+    for r in readers:
+        r.verify_all()
+    mans = [r.manifest for r in readers]
+    where = [str(Path(d) / MANIFEST) for d in shard_dirs]
+    count = {m.get("scatter", {}).get("count", 1) for m in mans}
+    indices = [m.get("scatter", {}).get("index", 0) for m in mans]
+    if len(count) != 1 or sorted(indices) != list(range(count.pop())) or len(mans) != len(set(indices)):
+        raise TraceError(f"gather_traces: scatter shards {indices} of {[m.get('scatter') for m in mans]} are not "
+                         f"shards 0..N-1 of one N ({', '.join(where)})")
+    order = sorted(range(len(mans)), key=lambda i: indices[i])
+    readers, mans, where = [readers[i] for i in order], [mans[i] for i in order], [where[i] for i in order]
+    first = mans[0]
+    for m, w in zip(mans[1:], where[1:], strict=True):
+        for k in SHARED_KEYS:
+            if m.get(k) != first.get(k):
+                raise TraceError(f"{w}: {k}={m.get(k)!r} differs from {where[0]} ({first.get(k)!r})")
+        if m["routers"]["sha256"] != first["routers"]["sha256"]:
+            raise TraceError(f"{w}: router weights differ from {where[0]} (shards of different checkpoints?)")
+    expected_offset = int(first.get("sample_offset", 0))
+    for m, w in zip(mans, where, strict=True):
+        if int(m.get("sample_offset", 0)) != expected_offset:
+            raise TraceError(f"{w}: sample_offset {m.get('sample_offset')} but the previous shards end at sample "
+                             f"{expected_offset} (a missing or duplicated range of samples)")
+        expected_offset += int(m["n_samples"])
+    gathered_from = [{"dir": str(r.dir), "scatter": m.get("scatter"), "manifest_sha256": sha256_file(r.dir / MANIFEST)}
+                     for r, m in zip(readers, mans, strict=True)]
+    if len(readers) == 1:
+        with atomic_path(out_dir, is_dir=True) as tmp:
+            for entry in first["shards"]:
+                _link_or_copy(readers[0].dir / entry["file"], tmp / entry["file"])
+            _link_or_copy(readers[0].dir / ROUTERS, tmp / ROUTERS)
+            manifest = {k: v for k, v in first.items() if k != "scatter"}
+            manifest["provenance"] = {**first.get("provenance", {}), "gathered_from": gathered_from}
+            write_json_atomic(tmp / MANIFEST, manifest)
+    else:
+        written_by_the_writer = ("format", "scatter", "shards", "routers", "dtypes", "n_moe_layers", "n_tokens",
+                                 "n_samples", "sample_offset", "n_image_tokens", "n_prompt_tokens", "shard_tokens",
+                                 "provenance", "n_truncated")
+        meta = {k: v for k, v in first.items() if k not in written_by_the_writer}
+        meta["provenance"] = {**first.get("provenance", {}), "gathered_from": gathered_from}
+        n_layers = int(first["n_moe_layers"])
+        with TraceWriter(out_dir, meta, int(first["shard_tokens"]), first["dtypes"]["x"], first["dtypes"]["logits"],
+                         sample_offset=int(first.get("sample_offset", 0))) as writer:
+            writer.set_routers(readers[0].routers())
+            for r in readers:
+                for index, t in _samples_of(r):
+                    while writer.sample_offset + writer.n_samples < index:  # samples without valid tokens
+                        _add_empty(writer)
+                    writer.add_sample([t[f"x.{i}"] for i in range(n_layers)],
+                                      [t[f"logits.{i}"] for i in range(n_layers)],
+                                      [t[f"topk.{i}"] for i in range(n_layers)],
+                                      token_ids=t["token_ids"], position=t["position"], is_image=t["is_image"],
+                                      is_prompt=t["is_prompt"])
+            while writer.n_samples < sum(int(m["n_samples"]) for m in mans):  # trailing samples without tokens
+                _add_empty(writer)
+            if all("n_truncated" in m for m in mans):
+                writer.meta["n_truncated"] = sum(int(m["n_truncated"]) for m in mans)
+    log.info("gathered %d scatter shard(s) into %s", len(mans), out_dir)
+    return trace_stats(out_dir)
+
+
+def _add_empty(writer: TraceWriter) -> None:
+    e = torch.empty(0, dtype=torch.int64)
+    writer.add_sample([torch.empty(0, writer.hidden_size)] * writer.n_layers,
+                      [torch.empty(0, writer.n_experts)] * writer.n_layers,
+                      [torch.empty(0, writer.top_k, dtype=torch.int64)] * writer.n_layers,
+                      token_ids=e, position=e, is_image=e, is_prompt=e)
 
 
 # --------------------------------------------------------------------------------------------- stats

@@ -1,17 +1,18 @@
-# Next-layer expert predictors (SpecPrefetch adapters and baselines), trained on the corpus traces,
-# and ExpertRecall@M on every evaluation workload (Tables 1-3).
+# Next-layer expert predictors (SpecPrefetch adapters and baselines), trained on the corpus traces (training
+# source "traces") or with the frozen model in the loop (source "online": no corpus traces are extracted at all),
+# and ExpertRecall@M on every evaluation workload shard (Tables 1-3).
 
 
 rule train_predictor:
     input:
-        traces=lambda w: P.trace_dir(w.model, "corpus"),
-        corpus="results/corpus",
-        model=lambda w: P.model_inputs(w.model),
+        unpack(lambda w: P.train_inputs(w.model)),
     output:
         directory("results/predictors/{model}/{method}"),
     params:
         cfg=lambda w: P.hash_of("predictors", model=w.model),
         model_dir=lambda w: P.model_dir_arg(w.model),
+        traces=lambda w, input: f"--traces {input.traces}" if "traces" in input.keys() else "",
+        run=P.train_command(sys.executable),
     log:
         "logs/train_predictor/{model}/{method}.log",
     benchmark:
@@ -21,23 +22,23 @@ rule train_predictor:
         **P.resources("train_predictor"),
     shell:
         "export OMP_NUM_THREADS={threads}; "
-        "{SP} train-predictor --config {CFG} --model {wildcards.model} --method {wildcards.method} "
-        "--traces {input.traces} --corpus {input.corpus} {params.model_dir} --out {output} 2>&1 | tee {log}"
+        "{params.run} train-predictor --config {CFG} --model {wildcards.model} --method {wildcards.method} "
+        "{params.traces} --corpus {input.corpus} {params.model_dir} --out {output} 2>&1 | tee {log}"
 
 
 rule evaluate_recall:
     input:
-        traces=lambda w: P.trace_dir(w.model, w.workload),
+        traces="results/trace_shards/{model}/{workload}/{shard}",
         predictors=lambda w: [P.predictor_dir(w.model, m) for m in P.methods],
     output:
-        "results/recall/{model}/{workload}.csv",
+        "results/recall/{model}/{workload}/{shard}.csv",
     params:
         cfg=lambda w: P.hash_of("recall", model=w.model),
         predictors=lambda w: " ".join(f"--predictor {m}={P.predictor_dir(w.model, m)}" for m in P.methods),
     log:
-        "logs/evaluate_recall/{model}/{workload}.log",
+        "logs/evaluate_recall/{model}/{workload}/{shard}.log",
     benchmark:
-        "benchmarks/evaluate_recall/{model}/{workload}.tsv"
+        "benchmarks/evaluate_recall/{model}/{workload}/{shard}.tsv"
     threads: 1
     resources:
         **P.resources("evaluate_recall"),

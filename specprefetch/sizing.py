@@ -1,0 +1,156 @@
+"""Size a run before launching it: per rule, the jobs, tokens, storage and GPU-hours a profile needs.
+
+``specprefetch estimate-resources --config config/paper.yaml`` prints the table the README's cluster section
+shows. Storage is exact arithmetic on the trace contract (bytes per token per MoE layer from the config's hidden
+size, expert count, top-K and dtypes) times a token count; the token count is measured where a trace of the
+profile already exists under ``results/traces`` and estimated otherwise (samples x tokens per sample, both
+printed, both overridable). GPU-hours divide tokens by a throughput: the defaults are stated assumptions, to be
+replaced by the figures of a first small run (``benchmarks/extract_traces/...tsv`` holds them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specprefetch.config import n_moe_layers
+from specprefetch.io import SpecPrefetchError
+
+# Test-set sizes of the paper's hub benchmarks (the split config/paper.yaml names; HallusionBench approximate), used
+# for configs without n_samples.
+HUB_SAMPLES = {"openai/gsm8k": 1319, "openai/openai_humaneval": 164, "echo840/OCRBench": 1000,
+               "HuggingFaceM4/ChartQA": 2500, "lmms-lab/HallusionBench": 951}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+TOKEN_META_BYTES = 8 + 8 + 4 + 1 + 1  # token_ids, sample_index, position, is_image, is_prompt
+TEXT_TOKENS = {"LLM": 384, "VLM": 128}  # assumed prompt + reference tokens per sample (VLM: plus the image)
+# Assumed forward throughput of trace extraction, tokens/s per GPU (batch-1 teacher forcing with hooks, bf16):
+# an order of magnitude for transformers' MoE blocks on one A100/H100-class GPU; replace with a measured value.
+EXTRACT_TOKENS_PER_S = 2000.0
+# Predictor training and recall evaluation stream the traces: bounded by reading them (bytes/s).
+TRACE_READ_BYTES_PER_S = 1.5e9
+
+
+@dataclass(frozen=True)
+class TraceSet:
+    model: str
+    workload: str
+    samples: int
+    tokens: int
+    measured: bool
+    bytes_per_token: int
+
+    @property
+    def bytes(self) -> int:
+        return self.tokens * self.bytes_per_token
+
+
+def bytes_per_token(cfg: Mapping[str, Any], model: str) -> int:
+    """Trace bytes per token of ``model``: per MoE layer x (bf16/fp16/fp32) + logits + int32 top-K, plus metadata."""
+    m, t = cfg["models"][model], cfg["traces"]
+    per_layer = (m["hidden_size"] * DTYPE_BYTES[t["input_dtype"]] + m["n_experts"] * DTYPE_BYTES[t["logits_dtype"]]
+                 + m["top_k"] * 4)
+    return n_moe_layers(m) * per_layer + TOKEN_META_BYTES
+
+
+def _samples(cfg: Mapping[str, Any], workload: str, overrides: Mapping[str, int]) -> int:
+    if workload in overrides:
+        return int(overrides[workload])
+    if workload == "corpus":
+        return int(cfg["train_corpus"]["n_samples"])
+    w = cfg["workloads"][workload]
+    if w.get("n_samples"):
+        return int(w["n_samples"])
+    path = (w.get("dataset") or {}).get("path")
+    if path in HUB_SAMPLES:
+        return HUB_SAMPLES[path]
+    raise SpecPrefetchError(f"workload {workload}: no n_samples in the config and no known size for {path!r}; "
+                            f"pass --samples {workload}=N")
+
+
+def _tokens_per_sample(cfg: Mapping[str, Any], model: str, workload: str) -> int:
+    """Assumed mean tokens per sample: text, plus the merged image tokens of a VLM sample, capped by max_length."""
+    category = "LLM" if workload == "corpus" else cfg["workloads"][workload]["category"]
+    img = cfg.get("image") or {}
+    image = (img.get("size", 0) // max(1, img.get("patch_size", 1))) ** 2 // 4 if category == "VLM" else 0
+    if workload == "corpus":  # a mixture: weight VLM sources by their share
+        vlm = sum(v for k, v in cfg["train_corpus"].get("mixture", {}).items()
+                  if k in ("ocr_synth", "chartqa_synth", "hallusion_synth"))
+        image = int(vlm * (img.get("size", 0) // max(1, img.get("patch_size", 1))) ** 2 // 4)
+    return min(int(cfg["models"][model]["max_length"]), TEXT_TOKENS[category] + image)
+
+
+def trace_sets(cfg: Mapping[str, Any], results: Path | None = None,
+               samples: Mapping[str, int] | None = None) -> list[TraceSet]:
+    """Every trace set of the profile, measured from ``results/traces/<model>/<workload>`` where it exists."""
+    import json
+
+    out = []
+    for model in cfg["models"]:
+        for workload in ["corpus", *cfg["workloads"]]:
+            bpt = bytes_per_token(cfg, model)
+            man = results / "traces" / model / workload / "manifest.json" if results is not None else None
+            if man is not None and man.is_file():
+                m = json.loads(man.read_text())
+                out.append(TraceSet(model, workload, int(m["n_samples"]), int(m["n_tokens"]), True, bpt))
+                continue
+            n = _samples(cfg, workload, samples or {})
+            out.append(TraceSet(model, workload, n, n * _tokens_per_sample(cfg, model, workload), False, bpt))
+    return out
+
+
+def estimate(cfg: Mapping[str, Any], results: Path | None = None, samples: Mapping[str, int] | None = None,
+             extract_tokens_per_s: float = EXTRACT_TOKENS_PER_S,
+             read_bytes_per_s: float = TRACE_READ_BYTES_PER_S) -> list[dict[str, Any]]:
+    """Per rule: jobs, tokens, storage (GB) and GPU-hours; see the module docstring for what is assumed."""
+    online = cfg["predictors"]["training"].get("source", "traces") == "online"
+    sets = [s for s in trace_sets(cfg, results, samples) if not (online and s.workload == "corpus")]
+    corpus_tokens = {m: _samples(cfg, "corpus", samples or {}) * _tokens_per_sample(cfg, m, "corpus")
+                     for m in cfg["models"]}
+    scatter = int(cfg["traces"].get("scatter", 1))
+    methods = list(cfg["predictors"]["methods"])
+    learned = [m for m in methods if m in ("specprefetch", "single_mlp", "promoe", "draft_model")]
+    epochs = float(cfg["predictors"]["training"]["epochs"])
+    gpu = cfg["profile"] == "paper"
+    corpus = [s for s in sets if s.workload == "corpus"]
+    evals = [s for s in sets if s.workload != "corpus"]
+    tokens = sum(s.tokens for s in sets)
+    rows = [
+        {"rule": "extract_traces", "jobs": len(sets) * scatter, "tokens": tokens,
+         "storage_gb": sum(s.bytes for s in sets) / 1e9,
+         "gpu_hours": tokens / extract_tokens_per_s / 3600 if gpu else 0.0,
+         "note": f"{scatter} shard(s) per trace set, forward passes at {extract_tokens_per_s:.0f} tok/s per GPU; "
+                 "gather_traces hard-links them (no extra storage)"},
+        {"rule": "train_predictor", "jobs": len(cfg["models"]) * len(methods),
+         "tokens": int(sum(corpus_tokens.values()) * epochs * len(learned)), "storage_gb": 0.0,
+         "gpu_hours": (sum(corpus_tokens.values()) * epochs * len(learned) / extract_tokens_per_s / 3600 if online
+                       else sum(s.bytes for s in corpus) * epochs * len(learned) / read_bytes_per_s / 3600)
+         if gpu else 0.0,
+         "note": (f"online: {len(learned)} learned methods x {epochs:g} epoch(s) of corpus forward passes through the "
+                  f"frozen model (no corpus traces stored)" if online else
+                  f"{len(learned)} learned methods x {epochs:g} epoch(s) over the corpus traces, bound by reading "
+                  f"them at {read_bytes_per_s / 1e9:.1f} GB/s")},
+        {"rule": "evaluate_recall", "jobs": len(evals) * scatter, "tokens": sum(s.tokens for s in evals),
+         "storage_gb": 0.0,
+         "gpu_hours": sum(s.bytes for s in evals) / read_bytes_per_s / 3600 if gpu else 0.0,
+         "note": "every workload trace read once, all predictors per batch"},
+    ]
+    return rows
+
+
+def render_estimate(cfg: Mapping[str, Any], rows: list[dict[str, Any]], sets: list[TraceSet]) -> str:
+    if cfg["predictors"]["training"].get("source", "traces") == "online":
+        sets = [s for s in sets if s.workload != "corpus"]
+    """The estimate as Markdown: per trace set, then per rule."""
+    lines = [f"Profile {cfg['profile']}: trace sets (bytes/token from the config's dims and dtypes)", "",
+             "| model | trace set | samples | tokens | source | bytes/token | storage (GB) |", "|---|---|---:|---:|---|---:|---:|"]
+    for s in sets:
+        lines.append(f"| {s.model} | {s.workload} | {s.samples:,} | {s.tokens:,} | "
+                     f"{'measured' if s.measured else 'estimated'} | {s.bytes_per_token:,} | {s.bytes / 1e9:,.2f} |")
+    lines += ["", "| rule | jobs | tokens | storage (GB) | GPU-hours | how |", "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['rule']} | {r['jobs']} | {r['tokens']:,} | {r['storage_gb']:,.1f} | "
+                     f"{math.ceil(r['gpu_hours'] * 10) / 10:,.1f} | {r['note']} |")
+    return "\n".join(lines)
