@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -137,35 +138,44 @@ def test_smoke_profile_end_to_end(tmp_path: Path) -> None:
 
 
 def kill_an_extraction_shard_and_resume(workdir: Path, smoke: tuple[str, ...]) -> None:
-    """SIGKILL Snakemake while one extraction shard runs: no output is taken as complete, only that shard (and
-    what reads it) is redone, and --rerun-incomplete finishes the DAG."""
+    """A run that dies (SIGKILL, as a preempted job) while one extraction shard runs: no output is taken as
+    complete, only that shard and what reads it are redone, and --rerun-incomplete finishes the DAG."""
     import signal
     import time
 
-    shard = "results/trace_shards/tiny-qwen3-vl-moe/humaneval/1"
-    parent = workdir / shard.rsplit("/", 1)[0]
-    cmd = [SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "--directory", str(workdir), "--cores", "1", shard,
-           "--forcerun", "extract_traces", *smoke]
+    shard = workdir / "results/trace_shards/tiny-qwen3-vl-moe/humaneval/1"
+    recall = workdir / "results/recall/tiny-qwen3-vl-moe/humaneval"
+    # as if the first run had not got that far: the shard and what was computed from it do not exist yet (Snakemake
+    # does not remake a missing intermediate file whose consumers are up to date)
+    shutil.rmtree(shard)
+    for f in [*recall.glob("1[._]*"), *(workdir / "results/recall").glob("recall*.csv")]:
+        f.unlink()
+    job_log = workdir / "logs/extract_traces/tiny-qwen3-vl-moe/humaneval/1.log"
+    job_log.unlink()
+    cmd = [SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "--directory", str(workdir), "--cores", "1", "paper_tables",
+           *smoke]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not list(parent.glob(".1.*.tmp")):  # the shard's writer is at work
+        while not job_log.exists():  # the job's shell has started (its `tee` opened the log); the job takes seconds
             assert proc.poll() is None and time.monotonic() < deadline, "the extraction job never started"
-            time.sleep(0.05)
+            time.sleep(0.02)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # Snakemake and its job, mid-run
         proc.wait()
-    assert not (workdir / shard).exists()  # nothing Snakemake would take as complete
+    assert not shard.exists()  # nothing Snakemake would take as complete
     assert snakemake(workdir, "--unlock", *smoke).returncode == 0  # the killed run's lock on the directory
     plan = snakemake(workdir, "-n", "--cores", "1", "paper_tables", "--rerun-incomplete", *smoke)
+    assert plan.returncode == 0, (plan.stdout + plan.stderr)[-3000:]
     counts = job_counts(plan.stdout)
-    assert plan.returncode == 0 and counts["extract_traces"] == 1 and counts["evaluate_recall"] == 1, counts
+    assert counts["extract_traces"] == 1 and counts["evaluate_recall"] == 1 and counts["gather_recall"] == 1, counts
     assert not {"pretrain_stand_in", "train_predictor", "gather_traces", "prepare_workload"} & set(counts)
     done = snakemake(workdir, "--cores", "2", "paper_tables", "--rerun-incomplete", *smoke, timeout=1200)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert (workdir / shard / "manifest.json").is_file() and not list(parent.glob(".1.*.tmp"))
+    assert (shard / "manifest.json").is_file() and not list(shard.parent.glob(".1.*.tmp"))
 
 
 @pytest.mark.slow
