@@ -122,7 +122,8 @@ def estimate(cfg: Mapping[str, Any], results: Path | None = None, samples: Mappi
          "storage_gb": sum(s.bytes for s in sets) / 1e9,
          "gpu_hours": tokens / extract_tokens_per_s / 3600 if gpu else 0.0,
          "note": f"{scatter} shard(s) per trace set, forward passes at {extract_tokens_per_s:.0f} tok/s per GPU; "
-                 "gather_traces hard-links them (no extra storage)"},
+                 "plus a gathered copy of each set read whole (the corpus when training from traces, the "
+                 "simulator's workloads)"},
         {"rule": "train_predictor", "jobs": len(cfg["models"]) * len(methods),
          "tokens": int(sum(corpus_tokens.values()) * epochs * len(learned)), "storage_gb": 0.0,
          "gpu_hours": (sum(corpus_tokens.values()) * epochs * len(learned) / extract_tokens_per_s / 3600 if online

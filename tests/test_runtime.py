@@ -483,3 +483,19 @@ def test_bandwidth_model_and_profiles() -> None:
         make_profile("ufs", {"storage_profiles": {"ufs": {"bandwidth_mbps": 0, "latency_ms": 1}}})
     with pytest.raises(StorageError, match="unknown storage profile"):
         make_profile("floppy")
+
+
+def test_per_model_experiments() -> None:
+    """device.model_experiments narrows one model's benchmark experiments; a bad entry names its key."""
+    from specprefetch.config import REPO_ROOT, load_config
+    from specprefetch.io import SpecPrefetchError
+    from specprefetch.runtime.settings import device_settings, experiments_for
+
+    cfg = load_config(REPO_ROOT / "config" / "config.yaml")
+    d = device_settings(cfg)
+    assert experiments_for(d, "tiny-qwen3-vl-moe") == ["main"]
+    assert experiments_for(d, "tiny-deepseek-vl2") == d["experiments"] == ["main", "matched", "sweep", "storage",
+                                                                            "component"]
+    bad = {**cfg, "device": {**cfg["device"], "model_experiments": {"tiny-deepseek-vl2": ["nope"]}}}
+    with pytest.raises(SpecPrefetchError, match=r"device.model_experiments.tiny-deepseek-vl2': 'nope'"):
+        device_settings(bad)

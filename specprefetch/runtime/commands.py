@@ -143,7 +143,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     if profile.get("model") != args.model:
         raise SpecPrefetchError(f"{args.window}/profile.json is for model {profile.get('model')!r}, not {args.model!r}")
     h = _harness(env, scale=float(profile.get("emulation_scale", 1.0)))
-    experiments = args.experiments.split(",") if args.experiments else None
+    from specprefetch.runtime.settings import experiments_for
+
+    experiments = args.experiments.split(",") if args.experiments else experiments_for(env["s"], args.model)
     try:
         bench_runtime(h, profile, args.model, env["platform"], args.out, experiments, args.routing_out,
                       _fragment(env["cfg"], args.model))
@@ -155,7 +157,7 @@ def _cmd_simulate(args: argparse.Namespace) -> None:
     import torch
 
     from specprefetch.runtime.bench import write_runs_csv
-    from specprefetch.runtime.settings import device_settings
+    from specprefetch.runtime.settings import device_settings, experiments_for
     from specprefetch.runtime.simrun import (
         simulate_platform,
         summarize_validation,
@@ -184,7 +186,8 @@ def _cmd_simulate(args: argparse.Namespace) -> None:
         spec_like = _TraceSpec(readers[0])
         providers = provider_factories(parse_predictors(args.predictor), spec_like, "cpu") if args.predictor else {}
         for platform in s["simulator"]["platforms"]:
-            r, meta = simulate_platform(platform, args.model, arch, readers, providers, s, s["experiments"])
+            r, meta = simulate_platform(platform, args.model, arch, readers, providers, s,
+                                        experiments_for(s, args.model))
             rows.extend(r)
             info["platforms"].append({"traces": [str(t) for t in args.traces], **meta})
     write_runs_csv(args.out, rows)

@@ -7,6 +7,7 @@ numbers). ``config_fragment.yaml`` next to this file holds the YAML and JSON-sch
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 from specprefetch.io import SpecPrefetchError
@@ -36,6 +37,7 @@ DEVICE_DEFAULTS: dict[str, Any] = {
     "m_max": "auto",               # auto: from the profiled window, or an integer
     "sweep_m_max": [1, 2, 4, 6, 8, 12, 16],
     "experiments": list(EXPERIMENTS),
+    "model_experiments": {},       # model -> its own experiments (e.g. only "main" for a model no table shows)
     "main_policies": ["off", "pred0", "specprefetch", "naive", "fate", "resident"],
     "matched_policies": ["off", "naive", "specprefetch", "fate"],
     "window": {"n_prompts": 2, "demand_m": [2, 4, 8], "transfer_samples": 64},
@@ -80,6 +82,13 @@ def device_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     for e in d["experiments"]:
         if e not in EXPERIMENTS:
             raise SpecPrefetchError(f"invalid config key 'device.experiments': {e!r} ({', '.join(EXPERIMENTS)})")
+    for m, exps in d["model_experiments"].items():
+        if m not in d["models"]:
+            raise SpecPrefetchError(f"invalid config key 'device.model_experiments.{m}': not one of device.models")
+        for e in exps:
+            if e not in EXPERIMENTS:
+                raise SpecPrefetchError(f"invalid config key 'device.model_experiments.{m}': {e!r} "
+                                        f"({', '.join(EXPERIMENTS)})")
     for key in ("main_policies", "matched_policies"):
         for p in d[key]:
             if p not in POLICIES:
@@ -121,3 +130,8 @@ def cache_capacity(d: dict[str, Any], total_experts: int, top_k: int) -> int:
     if cap < top_k:
         raise SpecPrefetchError(f"invalid config key 'device.cache': capacity {cap} experts < top_k={top_k}")
     return min(int(cap), total_experts)
+
+
+def experiments_for(d: Mapping[str, Any], model: str) -> list[str]:
+    """The benchmark experiments of ``model``: ``device.model_experiments[model]``, else ``device.experiments``."""
+    return list(d["model_experiments"].get(model, d["experiments"]))

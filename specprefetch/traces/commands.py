@@ -83,7 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_extract)
 
     p = sub.add_parser("gather-traces", help="join the scatter shards of one trace set (extract-traces --shard) "
-                                             "into one trace directory (hard links, verified)")
+                                             "into the trace one job would have written (verified)")
     p.add_argument("shards", nargs="+", type=Path, help="the shard trace directories, shards 0..N-1")
     p.add_argument("--out", required=True, type=Path, help="trace directory to write (atomically)")
     p.set_defaults(func=_cmd_gather)
