@@ -143,7 +143,8 @@ def figure_window(window: pd.DataFrame, events: pd.DataFrame, cfg: Mapping[str, 
     candidates = tuple(render_settings(cfg).get("window_candidates") or DEFAULT_WINDOW_CANDIDATES)
     summ = window_summary(window, events, events_path, candidates)
     overall = window_exceed_overall(events, candidates)
-    panels = list(summ.groupby(["platform", "model"], sort=True))
+    order = {m: i for i, m in enumerate(cfg.get("models") or {})}  # the config's (the paper's) model order
+    panels = sorted(summ.groupby(["platform", "model"], sort=True), key=lambda kv: (kv[0][0], order.get(kv[0][1], 99)))
     ms_sorted = sorted(summ["M"].unique())
     greens = sns.color_palette("rocket_r", len(ms_sorted) + 2)[1:-1]
     cells = []
@@ -157,13 +158,13 @@ def figure_window(window: pd.DataFrame, events: pd.DataFrame, cfg: Mapping[str, 
                                        "(window_events.csv has events there)")
             transfers = float(win["window_ms"].mean() / win["transfer_ms"].mean())
             ax.plot(win["layer"], win["window_ms"], color="black", marker="o", zorder=3,
-                    label=f"Window $W_l$ (≈{transfers:.1f} transfers)")
+                    label=f"Window $W_l$ (≈{transfers:.1f} xfers)")
             for m, col in zip(ms_sorted, greens, strict=True):
                 gm = g[g["M"] == m].sort_values("layer")
                 pct = overall[(overall["platform"] == platform) & (overall["model"] == model) & (overall["M"] == m)]
                 pct_v = float(pct["exceed_pct"].iloc[0]) if not pct.empty else float("nan")
                 ax.plot(gm["layer"], gm["demand_ms"], color=col, marker="s", linestyle="--",
-                        label=f"Top-{m} demand ({pct_v:.0f}% > $W_l$)")
+                        label=f"Top-{m} ({pct_v:.0f}% > $W_l$)")
                 cells.append(Cell(id=f"{platform}/{model}/M{m}/exceed_pct", quantity="exceed_pct", value=pct_v,
                                   keys={"platform": platform, "model": model, "M": int(m)}))
                 for r in gm.itertuples():
@@ -183,7 +184,7 @@ def figure_window(window: pd.DataFrame, events: pd.DataFrame, cfg: Mapping[str, 
             ax.set_ylim(bottom=0)
             ax.legend(loc="upper left", frameon=True, framealpha=0.9, edgecolor="none", ncol=2,
                       columnspacing=0.6, handlelength=1.6, fontsize=6)
-            ax.set_ylim(top=ax.get_ylim()[1] * 1.3)
+            ax.set_ylim(top=ax.get_ylim()[1] * 1.35)
         fig.tight_layout()
     doc = TableDoc("fig1b_window", "Figure 1(b): prefetch window vs candidate transfer demand", cfg["profile"],
                    cells, meta={"candidates": list(candidates), "note": _caption_note(cfg)})
