@@ -95,6 +95,11 @@ def n_moe_layers(model_cfg: dict[str, Any]) -> int:
     return model_cfg["num_hidden_layers"] - model_cfg.get("first_dense_layers", 0)
 
 
+def trains_online(cfg: dict[str, Any]) -> bool:
+    """Predictors learn with the frozen model in the loop (source: online), not from stored corpus traces."""
+    return cfg["predictors"]["training"].get("source", "traces") == "online"
+
+
 def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
     """Cross-field checks: each failure names its key."""
     for name, m in cfg["models"].items():

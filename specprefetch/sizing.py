@@ -10,21 +10,22 @@ replaced by the figures of a first small run (``benchmarks/extract_traces/...tsv
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specprefetch.config import n_moe_layers
+from specprefetch.config import LEARNED_METHODS, n_moe_layers, trains_online
 from specprefetch.io import SpecPrefetchError
+from specprefetch.traces.store import INPUT_DTYPES, LOGITS_DTYPES, TOKEN_KEYS, TOPK_DTYPE, dtype_from_name
 
 # Test-set sizes of the paper's hub benchmarks (the split config/paper.yaml names; HallusionBench approximate), used
 # for configs without n_samples.
 HUB_SAMPLES = {"openai/gsm8k": 1319, "openai/openai_humaneval": 164, "echo840/OCRBench": 1000,
                "HuggingFaceM4/ChartQA": 2500, "lmms-lab/HallusionBench": 951}
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-TOKEN_META_BYTES = 8 + 8 + 4 + 1 + 1  # token_ids, sample_index, position, is_image, is_prompt
+TOKEN_META_BYTES = sum(d.itemsize for d in TOKEN_KEYS.values())  # the trace contract's per-token tensors
 TEXT_TOKENS = {"LLM": 384, "VLM": 128}  # assumed prompt + reference tokens per sample (VLM: plus the image)
 # Assumed forward throughput of trace extraction, tokens/s per GPU (batch-1 teacher forcing with hooks, bf16):
 # an order of magnitude for transformers' MoE blocks on one A100/H100-class GPU; replace with a measured value.
@@ -50,8 +51,9 @@ class TraceSet:
 def bytes_per_token(cfg: Mapping[str, Any], model: str) -> int:
     """Trace bytes per token of ``model``: per MoE layer x (bf16/fp16/fp32) + logits + int32 top-K, plus metadata."""
     m, t = cfg["models"][model], cfg["traces"]
-    per_layer = (m["hidden_size"] * DTYPE_BYTES[t["input_dtype"]] + m["n_experts"] * DTYPE_BYTES[t["logits_dtype"]]
-                 + m["top_k"] * 4)
+    x = dtype_from_name(t["input_dtype"], INPUT_DTYPES, "traces.input_dtype").itemsize
+    logits = dtype_from_name(t["logits_dtype"], LOGITS_DTYPES, "traces.logits_dtype").itemsize
+    per_layer = m["hidden_size"] * x + m["n_experts"] * logits + m["top_k"] * TOPK_DTYPE.itemsize
     return n_moe_layers(m) * per_layer + TOKEN_META_BYTES
 
 
@@ -72,24 +74,26 @@ def _samples(cfg: Mapping[str, Any], workload: str, overrides: Mapping[str, int]
 
 def _tokens_per_sample(cfg: Mapping[str, Any], model: str, workload: str) -> int:
     """Assumed mean tokens per sample: text, plus the merged image tokens of a VLM sample, capped by max_length."""
-    category = "LLM" if workload == "corpus" else cfg["workloads"][workload]["category"]
     img = cfg.get("image") or {}
-    image = (img.get("size", 0) // max(1, img.get("patch_size", 1))) ** 2 // 4 if category == "VLM" else 0
-    if workload == "corpus":  # a mixture: weight VLM sources by their share
-        vlm = sum(v for k, v in cfg["train_corpus"].get("mixture", {}).items()
-                  if k in ("ocr_synth", "chartqa_synth", "hallusion_synth"))
-        image = int(vlm * (img.get("size", 0) // max(1, img.get("patch_size", 1))) ** 2 // 4)
+    image_tokens = (img.get("size", 0) // max(1, img.get("patch_size", 1))) ** 2 // 4  # 2x2-merged patches
+    if workload == "corpus":  # a mixture: text, with images in the share of its VLM sources
+        category = "LLM"
+        vlm_share = sum(v for k, v in cfg["train_corpus"].get("mixture", {}).items()
+                        if k in ("ocr_synth", "chartqa_synth", "hallusion_synth"))
+        image = int(vlm_share * image_tokens)
+    else:
+        category = cfg["workloads"][workload]["category"]
+        image = image_tokens if category == "VLM" else 0
     return min(int(cfg["models"][model]["max_length"]), TEXT_TOKENS[category] + image)
 
 
 def trace_sets(cfg: Mapping[str, Any], results: Path | None = None,
                samples: Mapping[str, int] | None = None) -> list[TraceSet]:
-    """Every trace set of the profile, measured from ``results/traces/<model>/<workload>`` where it exists."""
-    import json
-
+    """Every trace set the profile extracts (no corpus when predictors train online), measured from
+    ``results/traces/<model>/<workload>`` where it exists."""
     out = []
     for model in cfg["models"]:
-        for workload in ["corpus", *cfg["workloads"]]:
+        for workload in ([] if trains_online(cfg) else ["corpus"]) + list(cfg["workloads"]):
             bpt = bytes_per_token(cfg, model)
             man = results / "traces" / model / workload / "manifest.json" if results is not None else None
             if man is not None and man.is_file():
@@ -103,15 +107,17 @@ def trace_sets(cfg: Mapping[str, Any], results: Path | None = None,
 
 def estimate(cfg: Mapping[str, Any], results: Path | None = None, samples: Mapping[str, int] | None = None,
              extract_tokens_per_s: float = EXTRACT_TOKENS_PER_S,
-             read_bytes_per_s: float = TRACE_READ_BYTES_PER_S) -> list[dict[str, Any]]:
-    """Per rule: jobs, tokens, storage (GB) and GPU-hours; see the module docstring for what is assumed."""
-    online = cfg["predictors"]["training"].get("source", "traces") == "online"
-    sets = [s for s in trace_sets(cfg, results, samples) if not (online and s.workload == "corpus")]
+             read_bytes_per_s: float = TRACE_READ_BYTES_PER_S,
+             sets: list[TraceSet] | None = None) -> list[dict[str, Any]]:
+    """Per rule: jobs, tokens, storage (GB) and GPU-hours; see the module docstring for what is assumed.
+    ``sets``: the :func:`trace_sets` already measured (else measured here)."""
+    online = trains_online(cfg)
+    sets = trace_sets(cfg, results, samples) if sets is None else sets
     corpus_tokens = {m: _samples(cfg, "corpus", samples or {}) * _tokens_per_sample(cfg, m, "corpus")
                      for m in cfg["models"]}
     scatter = int(cfg["traces"].get("scatter", 1))
     methods = list(cfg["predictors"]["methods"])
-    learned = [m for m in methods if m in ("specprefetch", "single_mlp", "promoe", "draft_model")]
+    learned = [m for m in methods if m in LEARNED_METHODS]
     epochs = float(cfg["predictors"]["training"]["epochs"])
     gpu = cfg["profile"] == "paper"
     corpus = [s for s in sets if s.workload == "corpus"]
@@ -142,8 +148,6 @@ def estimate(cfg: Mapping[str, Any], results: Path | None = None, samples: Mappi
 
 
 def render_estimate(cfg: Mapping[str, Any], rows: list[dict[str, Any]], sets: list[TraceSet]) -> str:
-    if cfg["predictors"]["training"].get("source", "traces") == "online":
-        sets = [s for s in sets if s.workload != "corpus"]
     """The estimate as Markdown: per trace set, then per rule."""
     lines = [f"Profile {cfg['profile']}: trace sets (bytes/token from the config's dims and dtypes)", "",
              "| model | trace set | samples | tokens | source | bytes/token | storage (GB) |", "|---|---|---:|---:|---|---:|---:|"]

@@ -201,6 +201,11 @@ def latest_checkpoint(ckpt_dir: Path | None) -> Path | None:
     return max(done, key=lambda d: int(d.name.split("-")[-1]), default=None)
 
 
+def checkpoint_dir_for(out_dir: Path) -> Path:
+    """Where a predictor's resume checkpoints live: beside its output, so a rerun of the same job finds them."""
+    return Path(out_dir).parent / f".{Path(out_dir).name}.checkpoints"
+
+
 def _checkpoint_dir(ckpt_dir: Path, fingerprint: str) -> Path:
     """``ckpt_dir`` holding only checkpoints of this very run: one of another config or data is discarded."""
     stamp = ckpt_dir / "fingerprint.txt"
@@ -327,7 +332,7 @@ def train_predictor(
                                        "training": dict(tcfg), "dims": dataclasses.asdict(dims), "online": online,
                                        "trace": sha256_file(Path(train_traces) / "manifest.json")
                                        if reader is not None else None})
-            ckpt_dir = _checkpoint_dir(Path(out_dir).parent / f".{Path(out_dir).name}.checkpoints", fingerprint)
+            ckpt_dir = _checkpoint_dir(checkpoint_dir_for(out_dir), fingerprint)
         run.update(_fit_learned(predictor, dataset, collate, tcfg, precision, ckpt_dir))
     elif online:
         _fit_statistics_online(predictor, bundle, dataset)
@@ -358,7 +363,7 @@ def train_predictor(
     with atomic_path(out_dir, is_dir=True) as tmp:
         predictor.save(tmp, extra_meta=meta)
     if learned:  # the output is complete: its resume checkpoints are no longer needed
-        shutil.rmtree(Path(out_dir).parent / f".{Path(out_dir).name}.checkpoints", ignore_errors=True)
+        shutil.rmtree(checkpoint_dir_for(out_dir), ignore_errors=True)
     log.info("saved %s predictor for %s to %s (%d trainable params, final loss %s, %.1fs)", method, model_name,
              out_dir, predictor.trainable_params(), meta["final_loss"], meta["wall_time_s"])
     return {**predictor.meta(), **meta}

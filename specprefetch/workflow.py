@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from specprefetch.config import LEARNED_METHODS, validate_config
+from specprefetch.config import LEARNED_METHODS, trains_online, validate_config
 from specprefetch.io import config_hash, write_text_atomic
 
 CORPUS = "corpus"
@@ -98,7 +98,7 @@ class Pipeline:
     @property
     def trains_on_traces(self) -> bool:
         """Predictors learn from stored corpus traces (source: traces) or from the live model (source: online)."""
-        return self.cfg["predictors"]["training"].get("source", "traces") == "traces"
+        return not trains_online(self.cfg)
 
     def train_inputs(self, model: str) -> dict[str, Any]:
         """What train_predictor reads: the corpus, the model, and the corpus traces unless training online."""

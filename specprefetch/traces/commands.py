@@ -63,7 +63,7 @@ def _cmd_estimate(args: argparse.Namespace) -> None:
             raise SystemExit(f"--samples {item!r}: expected WORKLOAD=N")
         samples[name] = int(n)
     sets = trace_sets(cfg, args.results, samples)
-    rows = estimate(cfg, args.results, samples, args.extract_tokens_per_s, args.read_gb_per_s * 1e9)
+    rows = estimate(cfg, args.results, samples, args.extract_tokens_per_s, args.read_gb_per_s * 1e9, sets=sets)
     print(render_estimate(cfg, rows, sets))
 
 

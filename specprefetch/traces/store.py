@@ -517,8 +517,8 @@ def _samples_of(reader: TraceReader) -> Iterator[tuple[int, dict[str, torch.Tens
 def gather_traces(shard_dirs: Sequence[str | Path], out_dir: str | Path) -> dict[str, Any]:
     """Join the scatter shards of one trace set (``extract-traces --shard I/N``) into one trace directory.
 
-    Every shard is verified (sha256 of every file); they must be shards 0..N-1 of the same N, share model,
-    workload, layers, dtypes and routers, and cover consecutive samples. The samples are replayed in order through
+    Every file is verified (sha256: as it is read, or up front for a hard link); they must be shards 0..N-1 of the
+    same N, share model, workload, layers, dtypes and routers, and cover consecutive samples. The samples are replayed in order through
     a fresh :class:`TraceWriter`, so the result is the trace one job would have written, file for file (the same
     shard boundaries, hence the same shuffled training order: results do not depend on ``traces.scatter``); a
     single shard is hard-linked as it is. The manifest is written last, atomically. Returns the trace's stats.
@@ -526,8 +526,6 @@ def gather_traces(shard_dirs: Sequence[str | Path], out_dir: str | Path) -> dict
     readers = [TraceReader(d, verify=True) for d in shard_dirs]
     if not readers:
         raise SpecPrefetchError("gather_traces: no shard directories")
-    for r in readers:
-        r.verify_all()
     mans = [r.manifest for r in readers]
     where = [str(Path(d) / MANIFEST) for d in shard_dirs]
     count = {m.get("scatter", {}).get("count", 1) for m in mans}
@@ -552,7 +550,8 @@ def gather_traces(shard_dirs: Sequence[str | Path], out_dir: str | Path) -> dict
         expected_offset += int(m["n_samples"])
     gathered_from = [{"dir": str(r.dir), "scatter": m.get("scatter"), "manifest_sha256": sha256_file(r.dir / MANIFEST)}
                      for r, m in zip(readers, mans, strict=True)]
-    if len(readers) == 1:
+    if len(readers) == 1:  # hard-linked without reading: hash every file first
+        readers[0].verify_all()
         with atomic_path(out_dir, is_dir=True) as tmp:
             for entry in first["shards"]:
                 _link_or_copy(readers[0].dir / entry["file"], tmp / entry["file"])
