@@ -163,6 +163,7 @@ class Pipeline:
         "bench_runtime": {"cpu": {"mem_mb": 4000, "runtime": 120},
                           "paper": {"mem_mb": 128000, "runtime": 720, "gpu": 1}},
         "simulate_device": {"cpu": {"mem_mb": 4000, "runtime": 30}, "paper": {"mem_mb": 32000, "runtime": 120}},
+        "validate_simulator": {"cpu": {"mem_mb": 4000, "runtime": 30}, "paper": {"mem_mb": 16000, "runtime": 60}},
         "evaluate_offloaded": {"cpu": {"mem_mb": 4000, "runtime": 60},
                                "paper": {"mem_mb": 128000, "runtime": 720, "gpu": 1}},
     }

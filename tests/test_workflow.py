@@ -42,7 +42,8 @@ def traces(scatter: int, gathered: int, corpus: bool = True) -> dict[str, int]:
             "gather_traces": gathered}
 
 
-DEVICE_RULES = ("build_expert_store", "profile_window", "bench_runtime", "simulate_device", "evaluate_offloaded")
+DEVICE_RULES = ("build_expert_store", "profile_window", "bench_runtime", "simulate_device", "validate_simulator",
+                "evaluate_offloaded")
 STAND_INS = {"train_tokenizer": 1, "pretrain_stand_in": 2, **{r: 2 for r in DEVICE_RULES}}
 EXPECTED = {
     "config/config.yaml": {**COMMON, **STAND_INS, **traces(1, 2 + 2 * 2)},  # simulator: gsm8k, chartqa

@@ -7,7 +7,8 @@ Experiments (the ``experiment`` column of ``runs.csv``), all on the same prompts
 - ``matched`` (Table 5): Naive Prefetch vs SpecPrefetch (and FATE) at the same ``M_max`` on the reference and the
   slow storage;
 - ``sweep`` (Figure 4): SpecPrefetch at every ``device.sweep_m_max`` (and the profiled one) vs OFF, reference storage;
-- ``storage`` (Figure 5): OFF vs SpecPrefetch on every storage profile;
+- ``storage`` (Figure 5): OFF vs SpecPrefetch on every storage profile (those ``matched`` runs, the reference
+  and the slow storage, are not run twice: Figure 5 takes their OFF and SpecPrefetch pairs from ``matched``);
 - ``component`` (Figure 6): compute_opt off/on x prefetch off/on, reference storage (page cache evicted).
 
 Within an experiment, repeat ``r`` of every configuration runs back to back before repeat ``r+1`` starts, so
@@ -55,6 +56,7 @@ class RunConfig:
 
 def plan_experiments(s: dict[str, Any], m_max: int, experiments: Iterable[str]) -> dict[str, list[RunConfig]]:
     """The configurations of every experiment, in run order (OFF first, so it is each repeat's reference)."""
+    experiments = list(experiments)
     ref, slow = s["reference_storage"], s["slow_storage"]
     out: dict[str, list[RunConfig]] = {}
     for exp in experiments:
@@ -67,8 +69,10 @@ def plan_experiments(s: dict[str, Any], m_max: int, experiments: Iterable[str]) 
         elif exp == "sweep":
             ms = sorted({int(m) for m in s["sweep_m_max"]} | {m_max})
             out[exp] = [RunConfig(exp, "off", ref, 0)] + [RunConfig(exp, "specprefetch", ref, m) for m in ms]
-        elif exp == "storage":
-            out[exp] = [RunConfig(exp, p, st, m_max) for st in s["storages"] for p in ("off", "specprefetch")]
+        elif exp == "storage":  # storages the matched experiment runs are taken from it (same pairs)
+            done = {ref, slow} if "matched" in experiments else set()
+            out[exp] = [RunConfig(exp, p, st, m_max) for st in s["storages"] if st not in done
+                        for p in ("off", "specprefetch")]
         elif exp == "component":
             out[exp] = [RunConfig(exp, p, ref, m_max, opt) for opt in (False, True) for p in ("off", "specprefetch")]
         else:

@@ -7,9 +7,9 @@ and the accuracy check through lm-eval.
     specprefetch bench-runtime --config C --model M --model-dir D --store S --window results/device/window/M \\
         --workload-dir W --predictor specprefetch=P --predictor fate=F --out results/device/measured/M.csv \\
         --routing-out results/device/measured/M.routing.pt [--device cuda]
-    specprefetch simulate --config C --model M --window results/device/window/M \\
-        --routing results/device/measured/M.routing.pt --traces T --predictor ... \\
-        --out results/device/simulated/M.csv --validation results/device/sim_validation/M.csv
+    specprefetch simulate --config C --model M --traces T... --predictor ... --out results/device/simulated/M.csv
+    specprefetch validate-simulator --config C --model M --window results/device/window/M \\
+        --routing results/device/measured/M.routing.pt --out results/device/sim_validation/M.csv
     specprefetch collect-device-benchmarks --runs a.csv b.csv --external logs/*.csv --windows DIR... \\
         --validation V... --out-dir results/device
     specprefetch evaluate-offloaded --config C --model M --model-dir D --store S --predictor ... \\
@@ -153,17 +153,11 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         h.close()
 
 
-def _cmd_simulate(args: argparse.Namespace) -> None:
+def _cmd_validate_simulator(args: argparse.Namespace) -> None:
     import torch
 
-    from specprefetch.runtime.bench import write_runs_csv
-    from specprefetch.runtime.settings import device_settings, experiments_for
-    from specprefetch.runtime.simrun import (
-        simulate_platform,
-        summarize_validation,
-        validate_simulator,
-        write_validation_csv,
-    )
+    from specprefetch.runtime.settings import device_settings
+    from specprefetch.runtime.simrun import summarize_validation, validate_simulator, write_validation_csv
 
     cfg = load_args_config(args)
     s = device_settings(cfg)
@@ -176,23 +170,33 @@ def _cmd_simulate(args: argparse.Namespace) -> None:
     summary = summarize_validation(val)
     log.info("simulator vs measured, mean |relative error|: %s",
              ", ".join(f"{k} {v:.1%}" for k, v in summary.items()))
-    rows: list[dict[str, Any]] = []
-    info: dict[str, Any] = {"validation_mean_abs_rel_error": summary, "platforms": []}
-    if args.traces:
-        from specprefetch.traces.store import TraceReader
+    write_validation_csv(args.out, val)
+    write_json_atomic(Path(args.out).with_suffix(".json"), {"validation_mean_abs_rel_error": summary})
 
-        arch = cfg["models"][args.model]["arch"]
-        readers = [TraceReader(tdir) for tdir in args.traces]
-        spec_like = _TraceSpec(readers[0])
-        providers = provider_factories(parse_predictors(args.predictor), spec_like, "cpu") if args.predictor else {}
-        for platform in s["simulator"]["platforms"]:
-            r, meta = simulate_platform(platform, args.model, arch, readers, providers, s,
-                                        experiments_for(s, args.model))
-            rows.extend(r)
-            info["platforms"].append({"traces": [str(t) for t in args.traces], **meta})
+
+def _cmd_simulate(args: argparse.Namespace) -> None:
+    import torch
+
+    from specprefetch.runtime.bench import write_runs_csv
+    from specprefetch.runtime.settings import device_settings, experiments_for
+    from specprefetch.runtime.simrun import simulate_platform
+    from specprefetch.traces.store import TraceReader
+
+    cfg = load_args_config(args)
+    s = device_settings(cfg)
+    torch.set_num_threads(int(s["threads"]))
+    rows: list[dict[str, Any]] = []
+    platforms: list[dict[str, Any]] = []
+    arch = cfg["models"][args.model]["arch"]
+    readers = [TraceReader(tdir) for tdir in args.traces]
+    spec_like = _TraceSpec(readers[0])
+    providers = provider_factories(parse_predictors(args.predictor), spec_like, "cpu") if args.predictor else {}
+    for platform in s["simulator"]["platforms"]:
+        r, meta = simulate_platform(platform, args.model, arch, readers, providers, s, experiments_for(s, args.model))
+        rows.extend(r)
+        platforms.append({"traces": [str(t) for t in args.traces], **meta})
     write_runs_csv(args.out, rows)
-    write_validation_csv(args.validation, val)
-    write_json_atomic(Path(args.validation).with_suffix(".json"), info)
+    write_json_atomic(Path(args.out).with_suffix(".json"), {"platforms": platforms})
 
 
 class _TraceSpec:
@@ -255,16 +259,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--routing-out", type=Path, default=None, help="recorded routing for the simulator (.pt)")
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("simulate", help="trace-driven simulator: validation + platform estimates")
+    p = sub.add_parser("simulate", help="trace-driven simulator: platform estimates from routing traces")
     add_config_arg(p)
     p.add_argument("--model", required=True)
-    p.add_argument("--window", required=True, type=Path)
-    p.add_argument("--routing", required=True, type=Path, help="bench-runtime --routing-out file")
-    p.add_argument("--traces", nargs="*", default=[], type=Path, help="routing traces for platform estimates")
+    p.add_argument("--traces", nargs="+", required=True, type=Path, help="routing traces (results/traces/M/W)")
     _predictor_arg(p)
-    p.add_argument("--out", required=True, type=Path, help="simulated runs CSV")
-    p.add_argument("--validation", required=True, type=Path, help="simulator-vs-measured CSV")
+    p.add_argument("--out", required=True, type=Path, help="simulated runs CSV (runs.csv format)")
     p.set_defaults(func=_cmd_simulate)
+
+    p = sub.add_parser("validate-simulator", help="replay every measured run in the simulator: error per metric")
+    add_config_arg(p)
+    p.add_argument("--model", required=True)
+    p.add_argument("--window", required=True, type=Path, help="profile-window output directory")
+    p.add_argument("--routing", required=True, type=Path, help="bench-runtime --routing-out file")
+    p.add_argument("--out", required=True, type=Path, help="simulator-vs-measured CSV")
+    p.set_defaults(func=_cmd_validate_simulator)
 
     p = sub.add_parser("collect-device-benchmarks", help="validate external logs, merge everything into runs.csv")
     p.add_argument("--runs", nargs="+", required=True, type=Path, help="measured and simulated run CSVs")

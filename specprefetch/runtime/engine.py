@@ -240,6 +240,7 @@ class OffloadedRuntime:
         if l == 0:
             self.step += 1
         idx = top_k_index.detach().to("cpu")
+        self.engine.charge_delays = idx.shape[0] == 1  # prefill loads take no emulated delay (prefill is not timed)
         required = sorted({e for e in idx.reshape(-1).tolist() if 0 <= e < self.n_experts})
         keys: list[Key] = [(l, e) for e in required]
         ev = self._begin_layer(l, t_exec, idx, required)

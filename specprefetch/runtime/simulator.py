@@ -102,6 +102,7 @@ class _Tr:
     t_start: float = 0.0
     t_end: float = 0.0
     unneeded: bool = False
+    charged: bool = True
 
 
 class _SimIO:
@@ -125,10 +126,11 @@ class _SimIO:
         self.log: list[_Tr] = []
         self.now = 0.0
         self._seq = itertools.count()
+        self.charge_delays = True  # cleared during prefill steps, as the runtime does
 
-    def _end_of(self, start: float) -> float:
+    def _end_of(self, start: float, charged: bool = True) -> float:
         if self.model is not None:
-            return self.model.schedule(start) + self.overhead_s
+            return (self.model.schedule(start) if charged else start) + self.overhead_s
         return start + (self.fixed_s or 0.0) + self.overhead_s
 
     def _start(self, worker: int, t: float) -> None:
@@ -139,11 +141,12 @@ class _SimIO:
         tr = min(ready, key=lambda p: p.seq)
         self.pending.remove(tr)
         tr.state, tr.t_start = "running", t
-        tr.t_end = self._end_of(t)
+        tr.t_end = self._end_of(t, tr.charged)
         heapq.heappush(self.running, (tr.t_end, tr.seq, tr, worker))
 
     def submit(self, key: Key, kind: str, step: int, t: float) -> _Tr:
-        tr = _Tr(key, kind, step, next(self._seq), DEMAND if kind == "demand" else PREFETCH, t)
+        tr = _Tr(key, kind, step, next(self._seq), DEMAND if kind == "demand" else PREFETCH, t,
+                 charged=self.charge_delays)
         self.pending.append(tr)
         self.active[key] = tr
         self.log.append(tr)
@@ -175,7 +178,7 @@ class _SimIO:
             return None
         self.pending.remove(tr)
         tr.state, tr.t_start = "running", t
-        tr.t_end = self._end_of(t)
+        tr.t_end = self._end_of(t, tr.charged)
         self.advance(tr.t_end)
         tr.state = "done"
         del self.active[tr.key]
@@ -284,6 +287,7 @@ def _layer(l: int, st: SimStep, step: int, t: float, io: _SimIO, cache: ExpertCa
     req = set(required)
     keys = [(l, e) for e in required]
     io.advance(t)
+    io.charge_delays = len(rows) == 1
     t_exec = t
     cancelled = io.cancel_pending(l, req)
     for e in required:

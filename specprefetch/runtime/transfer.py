@@ -51,6 +51,7 @@ class Transfer:
     error: str | None = None
     inline: bool = False      # performed by the compute thread (a stolen demand load)
     unneeded: bool = False    # a prefetch its target layer did not need: evict it first once it arrives
+    charged: bool = True      # emulated storage delay applies (False: issued during prefill, which is not timed)
 
     @property
     def finished(self) -> bool:
@@ -76,6 +77,7 @@ class TransferEngine:
         self._stop = False
         self.cuda = pool.device.type == "cuda"
         self._inline_staging: torch.Tensor | None = None
+        self.charge_delays = True  # the runtime clears it during prefill steps (see Transfer.charged)
         self.workers = [threading.Thread(target=self._work, args=(i,), name=f"expert-io-{i}", daemon=True)
                         for i in range(max(1, int(n_workers)))]
         for w in self.workers:
@@ -86,7 +88,7 @@ class TransferEngine:
         """Queue a transfer of ``key`` into its reserved slot (the caller reserved it under ``cache.lock``)."""
         with self.cond:
             tr = Transfer(key, kind, step, next(self._seq), DEMAND if kind == "demand" else PREFETCH,
-                          t_submit=time.perf_counter())
+                          t_submit=time.perf_counter(), charged=self.charge_delays)
             self.pending.append(tr)
             self.active[key] = tr
             self.log.append(tr)
@@ -133,7 +135,7 @@ class TransferEngine:
         error: str | None = None
         while True:
             try:
-                self._copy_inline(tr.key, slot)
+                self._copy_inline(tr, slot)
                 error = None
             except OSError as exc:
                 error = str(exc)
@@ -235,7 +237,7 @@ class TransferEngine:
             slot = self.cache.slot(tr.key)
             error: str | None = None
             try:
-                self._copy(tr.key, slot, staging, stream)
+                self._copy(tr, slot, staging, stream)
             except OSError as exc:
                 error = str(exc)
             with self.cond:
@@ -253,30 +255,30 @@ class TransferEngine:
                     log.warning("expert %s: transfer failed after %d attempts: %s", tr.key, tr.attempts, error)
                     self._finish(tr, "failed", error)
 
-    def _copy_inline(self, key: Key, slot: int) -> None:
+    def _copy_inline(self, tr: Transfer, slot: int) -> None:
         """The compute thread's own load: on CUDA a synchronous copy on the current (compute) stream."""
-        layer, expert = key
+        layer, expert = tr.key
         dest = self.pool.record(slot)
         if not self.cuda:
-            self.reader.read(layer, expert, dest, self.pool.buffer(slot))
+            self.reader.read(layer, expert, dest, self.pool.buffer(slot), charged=tr.charged)
             return
         src = self.reader.source(layer, expert)
         if src is None:
             if self._inline_staging is None:
                 self._inline_staging = torch.empty(self.pool.layout.record_bytes, dtype=torch.uint8).pin_memory()
-            self.reader.read(layer, expert, self._inline_staging)
+            self.reader.read(layer, expert, self._inline_staging, charged=tr.charged)
             src = self._inline_staging
         dest.copy_(src)
 
-    def _copy(self, key: Key, slot: int, staging: torch.Tensor | None, stream: torch.cuda.Stream | None) -> None:
-        layer, expert = key
+    def _copy(self, tr: Transfer, slot: int, staging: torch.Tensor | None, stream: torch.cuda.Stream | None) -> None:
+        layer, expert = tr.key
         dest = self.pool.record(slot)
         if not self.cuda:
-            self.reader.read(layer, expert, dest, self.pool.buffer(slot))
+            self.reader.read(layer, expert, dest, self.pool.buffer(slot), charged=tr.charged)
             return
         src = self.reader.source(layer, expert)
         if src is None:
-            self.reader.read(layer, expert, staging)
+            self.reader.read(layer, expert, staging, charged=tr.charged)
             src = staging
         with torch.cuda.stream(stream):
             ev = self.pool.events[slot]

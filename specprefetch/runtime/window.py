@@ -260,7 +260,7 @@ def effective_transfer_ms(res: RunResult) -> float:
     contention included), averaged over batches. NaN if the run issued no prefetch."""
     groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
     for tr in res.transfers:
-        if tr.kind == "prefetch" and tr.state == "done":
+        if tr.kind == "prefetch" and tr.state == "done" and tr.charged:
             groups[(tr.step, tr.key[0])].append(tr)
     spans = [(max(t.t_end for t in g) - min(t.t_submit for t in g)) / len(g) for g in groups.values()]
     return statistics.fmean(spans) * 1e3 if spans else float("nan")

@@ -102,15 +102,12 @@ rule bench_runtime:
 
 
 rule simulate_device:
-    """Trace-driven simulator: replay of every measured run (validation) and the platform estimates."""
+    """Trace-driven simulator: the platform estimates (e.g. Snapdragon 8 Elite) from routing traces and predictors."""
     input:
-        window="results/device/window/{model}",
-        routing="results/device/measured/{model}.routing.pt",
         traces=lambda w: [P.trace_dir(w.model, wl) for wl in DEV_SIM_WORKLOADS],
         predictors=lambda w: dev_predictor_dirs(w.model),
     output:
-        runs="results/device/simulated/{model}.csv",
-        validation="results/device/sim_validation/{model}.csv",
+        "results/device/simulated/{model}.csv",
     params:
         cfg=lambda w: P.hash_of("device", model=w.model),
         predictors=lambda w: dev_predictor_args(w.model),
@@ -122,9 +119,29 @@ rule simulate_device:
     resources:
         **P.resources("simulate_device"),
     shell:
-        "{SP} simulate --config {CFG} --model {wildcards.model} --window {input.window} --routing {input.routing} "
-        "--traces {input.traces} {params.predictors} --out {output.runs} --validation {output.validation} "
-        "2>&1 | tee {log}"
+        "{SP} simulate --config {CFG} --model {wildcards.model} --traces {input.traces} {params.predictors} "
+        "--out {output} 2>&1 | tee {log}"
+
+
+rule validate_simulator:
+    """Replay of every measured run in the simulator on this machine's profile: error per metric."""
+    input:
+        window="results/device/window/{model}",
+        routing="results/device/measured/{model}.routing.pt",
+    output:
+        "results/device/sim_validation/{model}.csv",
+    params:
+        cfg=lambda w: P.hash_of("device", model=w.model),
+    log:
+        "logs/validate_simulator/{model}.log",
+    benchmark:
+        "benchmarks/validate_simulator/{model}.tsv"
+    threads: 1
+    resources:
+        **P.resources("validate_simulator"),
+    shell:
+        "{SP} validate-simulator --config {CFG} --model {wildcards.model} --window {input.window} "
+        "--routing {input.routing} --out {output} 2>&1 | tee {log}"
 
 
 rule evaluate_offloaded:
@@ -144,7 +161,7 @@ rule evaluate_offloaded:
         "logs/evaluate_offloaded/{model}.log",
     benchmark:
         "benchmarks/evaluate_offloaded/{model}.tsv"
-    threads: 2
+    threads: 1
     resources:
         **P.resources("evaluate_offloaded"),
     shell:
