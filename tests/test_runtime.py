@@ -201,6 +201,41 @@ def test_m_max_zero_equals_off(setup: dict[str, Any]) -> None:
     assert b.prefetched == 0
 
 
+def test_prefill_loads_take_no_emulated_delay(setup: dict[str, Any]) -> None:
+    """Decoding throughput excludes prefill: its loads skip the emulated device, every decoding load is charged."""
+    _, rt = run_policy(setup, "specprefetch", storage="sdcard", m_max=2, capacity=setup["spec"].top_k + 4)
+    tokens_of_step = {ev.step: ev.n_tokens for ev in rt.events}
+    log = rt.engine.log
+    assert any(tokens_of_step[tr.step] > 1 for tr in log) and any(tokens_of_step[tr.step] == 1 for tr in log)
+    assert all(tr.charged == (tokens_of_step[tr.step] == 1) for tr in log)
+    store = setup["store"]
+    reader = ExpertReader(store, make_profile("sdcard", {"charge": "real"}, store.layout.payload_bytes))
+    try:
+        buf = torch.empty(store.record_bytes, dtype=torch.uint8)
+        reader.read(0, 1, buf, charged=False)
+        assert reader.model.free_at == 0.0  # the device model was not reserved
+        reader.read(0, 1, buf)
+        assert reader.model.free_at > 0.0
+    finally:
+        reader.close()
+
+
+def test_simulator_does_not_charge_prefill() -> None:
+    from specprefetch.runtime.simulator import ComputeProfile, SimSequence, SimStep, simulate
+    from specprefetch.runtime.storage import StorageProfile
+
+    prefill = SimStep(topk=[[[0, 1], [2, 3]], [[0, 1], [4, 5]]])  # two prompt tokens
+    decode = SimStep(topk=[[[6, 7]], [[6, 7]]])
+    zero = [0.0, 0.0]
+    prof = ComputeProfile(zero, zero, zero, [1e-4] * 2, zero, 1e-4)
+    storage = StorageProfile("sdcard", "emulated", 1000.0, 0.0, 1e6)  # 1 ms per expert
+    res = simulate([SimSequence([prefill, decode])], "off", 0, 8, 8, 2, prof, storage, io_workers=1)
+    ev = {(e.step, e.layer): e for e in res.events}
+    assert ev[(0, 0)].stall_s == ev[(0, 1)].stall_s == 0.0
+    assert ev[(1, 0)].stall_s == pytest.approx(2e-3) and ev[(1, 1)].stall_s == pytest.approx(2e-3)
+    assert res.stats.misses == 4  # decoding steps only
+
+
 def test_ready_recall_on_scripted_timeline() -> None:
     # K = 2; layer 0 is not a target layer of the definition, layers 1 and 2 are.
     evs = [
@@ -410,10 +445,34 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     for r in got:
         assert float(r["tokens_per_s"]) > 0 and 0 <= float(r["ready_recall"]) <= 1 and r["tokens_match"] == "true"
         assert int(r["peak_cache_experts"]) <= int(r["capacity_experts"])
+    # the component experiment's compute-optimized pair is main's (measured once, same repeat)
+    by = {(r["experiment"], r["policy"], r["compute_opt"]): r for r in got}
+    for pol in ("off", "specprefetch"):
+        reused, orig = by[("component", pol, "true")], by[("main", pol, "true")]
+        assert reused["measured_in"] == "main" and reused["tokens_per_s"] == orig["tokens_per_s"]
+        assert by[("component", pol, "false")]["measured_in"] == "component"
     record = torch.load(tmp_path / "r.pt", weights_only=False)
     val = validate_simulator(record, prof, s)
     err = summarize_validation(val)
     assert len(val) == len(record["runs"]) * 7 and all(v == v for v in (err["tokens_per_s"], err["hits"]))
+
+
+def test_groups_measured_by_an_earlier_experiment_are_reused() -> None:
+    """A pairing group (experiment, storage, compute_opt) runs once: later experiments take it whole, or run it."""
+    from specprefetch.config import REPO_ROOT, load_config
+    from specprefetch.runtime.bench import plan_experiments, reused_groups
+    from specprefetch.runtime.settings import device_settings
+
+    s = device_settings(load_config(REPO_ROOT / "config" / "config.yaml"))
+    plan = plan_experiments(s, 5, s["experiments"])
+    assert reused_groups(plan) == {
+        ("matched", "nvme_cold", True): "main",       # OFF, Naive, SpecPrefetch, FATE at M_max: all in main
+        ("storage", "nvme_cold", True): "main",
+        ("storage", "slow_ufs", True): "matched",
+        ("component", "nvme_cold", True): "main",
+    }  # the sweep's group (every M) is not all in main: it runs, paired with its own OFF
+    # a group only partly measured before (main needs more than storage ran) runs in full
+    assert reused_groups(plan_experiments(s, 5, ["storage", "main"])) == {}
 
 
 # ------------------------------------------------------------------------------------------ lm-eval

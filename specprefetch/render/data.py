@@ -346,18 +346,6 @@ def experiment_rows(runs: pd.DataFrame, path: Path | str, sel: DeviceSelection, 
                         platform=sel.platform, model=sel.model, source=sel.sources[0], experiment=experiment)
 
 
-def storage_rows(runs: pd.DataFrame, path: Path | str, sel: DeviceSelection) -> pd.DataFrame:
-    """Figure 5's OFF and SpecPrefetch runs per storage: experiment 'storage', and 'matched' on the storages it
-    measured (the benchmark runs each configuration once; 'storage' leaves the reference and slow storage to it)."""
-    runs = runs[(runs["platform"] == sel.platform) & (runs["model"] == sel.model) & (runs["source"] == sel.sources[0])
-                & runs["policy"].isin(["off", "specprefetch"])]
-    sto = runs[runs["experiment"] == "storage"]
-    matched = runs[(runs["experiment"] == "matched") & ~runs["storage"].isin(set(sto["storage"]))]
-    rows = pd.concat([sto, matched])
-    require_rows(rows, path, "Figure 5 (experiments 'storage' and 'matched')", policy="specprefetch")
-    return rows
-
-
 # --------------------------------------------------------------------------------------------- window (Figure 1b)
 
 

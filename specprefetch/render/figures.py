@@ -33,7 +33,6 @@ from specprefetch.render.data import (  # noqa: E402
     read_result_csv,
     require_rows,
     select_device,
-    storage_rows,
     summarize,
     window_exceed_overall,
     window_summary,
@@ -277,8 +276,9 @@ def _gain_label(g: float) -> str:
 
 def figure_storage(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv") -> FigureResult:
     """Figure 5: OFF vs SpecPrefetch throughput per storage profile (fastest to slowest), paired gain on top."""
-    sel = select_device(runs, path, cfg)
-    rows = storage_rows(runs, path, sel)
+    rows, sel = _device_rows(runs, path, cfg, "storage")
+    rows = rows[rows["policy"].isin(["off", "specprefetch"])]
+    require_rows(rows, path, "Figure 5", policy="specprefetch")
     g = paired_gains(rows, path)
     storages = [s for s in STORAGE_ORDER if s in set(g["storage"])]
     policies = ["off", "specprefetch"]

@@ -7,12 +7,15 @@ Experiments (the ``experiment`` column of ``runs.csv``), all on the same prompts
 - ``matched`` (Table 5): Naive Prefetch vs SpecPrefetch (and FATE) at the same ``M_max`` on the reference and the
   slow storage;
 - ``sweep`` (Figure 4): SpecPrefetch at every ``device.sweep_m_max`` (and the profiled one) vs OFF, reference storage;
-- ``storage`` (Figure 5): OFF vs SpecPrefetch on every storage profile (those ``matched`` runs, the reference
-  and the slow storage, are not run twice: Figure 5 takes their OFF and SpecPrefetch pairs from ``matched``);
+- ``storage`` (Figure 5): OFF vs SpecPrefetch on every storage profile;
 - ``component`` (Figure 6): compute_opt off/on x prefetch off/on, reference storage (page cache evicted).
 
 Within an experiment, repeat ``r`` of every configuration runs back to back before repeat ``r+1`` starts, so
 gains are paired: ``tokens_per_s / tokens_per_s(off, same experiment, storage, compute_opt, repeat) - 1``.
+A pairing group (an experiment's configurations on one storage and compute_opt, OFF included) that an earlier
+experiment measured in full is not run again: its rows are that experiment's runs of the same repeat, relabelled
+(column ``measured_in`` names the experiment that ran them), so pairs still come from one block of back-to-back
+runs. E.g. ``matched`` on the reference storage is ``main``'s OFF, Naive, SpecPrefetch and FATE.
 Every run must decode exactly the tokens of the first run (the router decides; this is checked). Each run's
 routing and priorities are kept so the simulator can replay it.
 """
@@ -37,7 +40,7 @@ RUN_COLUMNS = [
     "platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat", "tokens_per_s",
     "ready_recall", "n_tokens", "hits", "misses", "prefetched", "wasted", "stall_ms", "source",
     "inflight", "cancelled", "demand_loads", "io_errors", "peak_cache_experts", "capacity_experts",
-    "peak_cache_bytes", "capacity_bytes", "decode_s", "charge", "tokens_match",
+    "peak_cache_bytes", "capacity_bytes", "decode_s", "charge", "tokens_match", "measured_in",
 ]
 
 
@@ -53,10 +56,14 @@ class RunConfig:
     def key(self) -> str:
         return f"{self.experiment}|{self.policy}|{self.storage}|{self.m_max}|{int(self.compute_opt)}"
 
+    @property
+    def signature(self) -> tuple[str, str, int, bool]:
+        """What the runtime is given (OFF and all-resident ignore the budget), whatever the experiment."""
+        return (self.policy, self.storage, 0 if self.policy in ("off", "resident") else self.m_max, self.compute_opt)
+
 
 def plan_experiments(s: dict[str, Any], m_max: int, experiments: Iterable[str]) -> dict[str, list[RunConfig]]:
     """The configurations of every experiment, in run order (OFF first, so it is each repeat's reference)."""
-    experiments = list(experiments)
     ref, slow = s["reference_storage"], s["slow_storage"]
     out: dict[str, list[RunConfig]] = {}
     for exp in experiments:
@@ -69,14 +76,31 @@ def plan_experiments(s: dict[str, Any], m_max: int, experiments: Iterable[str]) 
         elif exp == "sweep":
             ms = sorted({int(m) for m in s["sweep_m_max"]} | {m_max})
             out[exp] = [RunConfig(exp, "off", ref, 0)] + [RunConfig(exp, "specprefetch", ref, m) for m in ms]
-        elif exp == "storage":  # storages the matched experiment runs are taken from it (same pairs)
-            done = {ref, slow} if "matched" in experiments else set()
-            out[exp] = [RunConfig(exp, p, st, m_max) for st in s["storages"] if st not in done
-                        for p in ("off", "specprefetch")]
+        elif exp == "storage":
+            out[exp] = [RunConfig(exp, p, st, m_max) for st in s["storages"] for p in ("off", "specprefetch")]
         elif exp == "component":
             out[exp] = [RunConfig(exp, p, ref, m_max, opt) for opt in (False, True) for p in ("off", "specprefetch")]
         else:
             raise SpecPrefetchError(f"unknown experiment {exp!r}")
+    return out
+
+
+def reused_groups(plan: dict[str, list[RunConfig]]) -> dict[tuple[str, str, bool], str]:
+    """``(experiment, storage, compute_opt) -> earlier experiment`` for every pairing group that an earlier
+    experiment measures in full (see the module docstring); groups not listed are run."""
+    out: dict[tuple[str, str, bool], str] = {}
+    measured: dict[str, set[tuple[str, str, int, bool]]] = {}
+    for exp, configs in plan.items():
+        groups: dict[tuple[str, bool], set[tuple[str, str, int, bool]]] = {}
+        for c in configs:
+            groups.setdefault((c.storage, c.compute_opt), set()).add(c.signature)
+        measured[exp] = set()
+        for (storage, opt), sigs in groups.items():
+            src = next((e for e, have in measured.items() if e != exp and sigs <= have), None)
+            if src is None:
+                measured[exp] |= sigs
+            else:
+                out[(exp, storage, opt)] = src
     return out
 
 
@@ -93,6 +117,7 @@ def run_row(res: RunResult, cfg: RunConfig, repeat: int, platform: str, model: s
         "capacity_experts": res.capacity, "peak_cache_bytes": st.peak_cache_experts * record_bytes,
         "capacity_bytes": res.capacity * record_bytes, "decode_s": res.decode_s,
         "charge": charge if cfg.storage not in ("nvme_cold", "ram") else "real", "tokens_match": tokens_match,
+        "measured_in": cfg.experiment,
     }
 
 
@@ -109,19 +134,27 @@ def bench_runtime(h: Harness, profile: dict[str, Any], model: str, platform: str
     s = h.s
     m_max = int(profile["m_max"]) if s["m_max"] == "auto" else int(s["m_max"])
     plan = plan_experiments(s, m_max, experiments or s["experiments"])
+    reuse = reused_groups(plan)
     repeats = int(s["repeats"])
-    n_runs = sum(len(v) for v in plan.values()) * repeats
+    n_runs = sum(1 for exp, v in plan.items() for c in v if (exp, c.storage, c.compute_opt) not in reuse) * repeats
     log.info("%d runs: %s", n_runs, ", ".join(f"{k} ({len(v)} configs)" for k, v in plan.items()))
+    for (exp, storage, opt), src in reuse.items():
+        log.info("%s on %s (compute_opt=%s): the runs of %s", exp, storage, opt, src)
     # warm-up: allocator, lazy module init, page-table of the store (not recorded)
     h.run("resident", "ram", max_new_tokens=4, prompts=h.prompts[:1])
     h.run("off", s["reference_storage"], max_new_tokens=4, prompts=h.prompts[:1])
     reference_tokens: list[list[int]] | None = None
     rows: list[dict[str, Any]] = []
+    measured: dict[tuple[str, int, tuple[str, str, int, bool]], dict[str, Any]] = {}
     routing: dict[str, Any] = {}
     done = 0
     for exp, configs in plan.items():
         for r in range(repeats):
             for cfg in configs:
+                src = reuse.get((exp, cfg.storage, cfg.compute_opt))
+                if src is not None:
+                    rows.append({**measured[(src, r, cfg.signature)], "experiment": exp})
+                    continue
                 res = h.run(cfg.policy, cfg.storage, cfg.m_max, cfg.compute_opt, record=True)
                 done += 1
                 toks = res.tokens()
@@ -132,6 +165,7 @@ def bench_runtime(h: Harness, profile: dict[str, Any], model: str, platform: str
                     raise SpecPrefetchError(f"{model}: run {cfg.key} repeat {r} decoded different tokens than the "
                                             "first run; the offloaded runtime must not change outputs")
                 rows.append(run_row(res, cfg, r, platform, model, s["charge"], h.store.record_bytes, match))
+                measured[(exp, r, cfg.signature)] = rows[-1]
                 if r == 0:
                     routing[cfg.key] = {"row": rows[-1], "events": recorded_routing(res)}
                 log.info("[%d/%d] %s r%d: %.2f tok/s", done, n_runs, cfg.key, r, res.tokens_per_s)

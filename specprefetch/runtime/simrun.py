@@ -139,6 +139,7 @@ def simulate_platform(platform: str, model: str, arch: str, trace_readers: Seque
     s = {**settings, "reference_storage": "nvme_cold"}
     plan = plan_experiments(s, m_max, [e for e in experiments if e != "component"])
     rows = []
+    results: dict[tuple[str, str, int, bool], Any] = {}  # deterministic: a configuration of several experiments once
     for exp, configs in plan.items():
         for cfg in configs:
             if cfg.storage == "nvme_cold":
@@ -147,9 +148,10 @@ def simulate_platform(platform: str, model: str, arch: str, trace_readers: Seque
                 storage = make_profile(cfg.storage, {**settings, "charge": "paper", "paper_expert_mb": p["expert_mb"]})
             else:
                 continue  # no RAM-offload figure for the phone
-            seqs = seqs_by_policy.get(cfg.policy, base)
-            res = simulate(seqs, cfg.policy, cfg.m_max, capacity, n_experts, top_k, compute, storage,
-                           p["io_workers"], True)
+            if cfg.signature not in results:
+                results[cfg.signature] = simulate(seqs_by_policy.get(cfg.policy, base), cfg.policy, cfg.m_max,
+                                                  capacity, n_experts, top_k, compute, storage, p["io_workers"], True)
+            res = results[cfg.signature]
             st = res.stats
             rows.append({"platform": platform, "model": model, "experiment": exp, "policy": cfg.policy,
                          "storage": cfg.storage, "m_max": cfg.m_max if cfg.policy not in ("off", "resident") else 0,
