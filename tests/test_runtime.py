@@ -455,6 +455,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     val = validate_simulator(record, prof, s)
     err = summarize_validation(val)
     assert len(val) == len(record["runs"]) * 7 and all(v == v for v in (err["tokens_per_s"], err["hits"]))
+    assert {v["n_repeats"] for v in val} == {1} and all(len(r["repeats"]) == 1 for r in record["runs"].values())
 
 
 def test_groups_measured_by_an_earlier_experiment_are_reused() -> None:

@@ -166,8 +166,9 @@ def bench_runtime(h: Harness, profile: dict[str, Any], model: str, platform: str
                                             "first run; the offloaded runtime must not change outputs")
                 rows.append(run_row(res, cfg, r, platform, model, s["charge"], h.store.record_bytes, match))
                 measured[(exp, r, cfg.signature)] = rows[-1]
-                if r == 0:
-                    routing[cfg.key] = {"row": rows[-1], "events": recorded_routing(res)}
+                if r == 0:  # routing and priorities are the same in every repeat (same tokens): record one
+                    routing[cfg.key] = {"row": rows[-1], "events": recorded_routing(res), "repeats": []}
+                routing[cfg.key]["repeats"].append(rows[-1])
                 log.info("[%d/%d] %s r%d: %.2f tok/s", done, n_runs, cfg.key, r, res.tokens_per_s)
     write_runs_csv(out_csv, rows)
     if routing_out is not None:

@@ -1,9 +1,10 @@
 """Using the simulator: validation against measured runs, and estimates for platforms that are not here.
 
-``validate_simulator`` replays every recorded benchmark run (its routing and priorities, saved by
-``bench_runtime``) on this machine's profiled compute and storage model, and compares throughput, ReadyRecall and
-the counters with what the runtime measured (``sim_validation.csv``: one row per run and metric, with the relative
-error).
+``validate_simulator`` replays every recorded benchmark configuration (its routing and priorities, saved by
+``bench_runtime``; the same in every repeat) on this machine's profiled compute and storage model, and compares
+throughput, ReadyRecall and the counters with what the runtime measured, averaged over the repeats
+(``sim_validation.csv``: one row per configuration and metric, with the relative error). The simulator is
+deterministic; the mean over repeats keeps the host's run-to-run noise out of its error as far as the repeats can.
 
 ``simulate_platform`` replays a model's routing trace (``results/traces/{model}/{workload}``) with the trained
 predictors' priorities on a platform profile (:mod:`specprefetch.runtime.platforms`) and writes runs in the
@@ -39,7 +40,7 @@ from specprefetch.runtime.storage import EMULATED, StorageProfile, make_profile
 log = logging.getLogger(__name__)
 
 VALIDATION_COLUMNS = ["platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "metric",
-                      "measured", "simulated", "rel_error"]
+                      "measured", "simulated", "rel_error", "n_repeats"]
 METRICS = ("tokens_per_s", "ready_recall", "hits", "misses", "prefetched", "wasted", "stall_ms")
 
 
@@ -94,10 +95,12 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any], settings
         res = simulate(seqs, m["policy"], int(m["m_max"]), int(m["capacity_experts"]), n_experts, top_k, compute,
                        storage, int(profile["io_workers"]), bool(m["compute_opt"]), fixed_transfer_s=fixed)
         sim = {"tokens_per_s": res.tokens_per_s, **{k: getattr(res.stats, k) for k in METRICS[1:]}}
+        repeats = run.get("repeats") or [m]
         for metric in METRICS:
-            rows.append({**{k: m[k] for k in VALIDATION_COLUMNS[:7]}, "metric": metric,
-                         "measured": float(m[metric]), "simulated": float(sim[metric]),
-                         "rel_error": relative_error(float(sim[metric]), float(m[metric]))})
+            measured = statistics.fmean(float(r[metric]) for r in repeats)
+            rows.append({**{k: m[k] for k in VALIDATION_COLUMNS[:7]}, "metric": metric, "measured": measured,
+                         "simulated": float(sim[metric]), "rel_error": relative_error(float(sim[metric]), measured),
+                         "n_repeats": len(repeats)})
     return rows
 
 
