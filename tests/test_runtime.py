@@ -412,7 +412,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     spec = discover_routing(model)
     store = ExpertStore(build_expert_store(model, tmp_path / "store", spec))
     s = _merge(DEVICE_DEFAULTS, {"n_prompts": 1, "max_new_tokens": 5, "repeats": 1, "io_workers": 2,
-                                 "storages": ["nvme_cold", "slow_ufs"], "experiments": ["main", "component"],
+                                 "storages": ["nvme_cold", "slow_ufs"], "experiments": ["main", "matched", "component"],
                                  "window": {"n_prompts": 1, "demand_m": [2, 4], "transfer_samples": 4},
                                  "cache": {"capacity_experts": 8}})
     prompts = [Prompt("p0", {"input_ids": torch.randint(0, VOCAB, (1, 6)), "attention_mask": torch.ones(1, 6).long()})]
@@ -438,19 +438,21 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     assert {r["component"] for r in lat} == {"attention", "router", "expert_load", "moe_compute", "other"}
     with open(tmp_path / "runs.csv") as f:
         got = list(csv.DictReader(f))
-    assert list(got[0])[:17] == RUN_COLUMNS[:17] and len(got) == len(rows) == 6 + 4
+    assert list(got[0])[:17] == RUN_COLUMNS[:17] and len(got) == len(rows) == 6 + 8 + 4
     assert {r["policy"] for r in got if r["experiment"] == "main"} == set(POLICIES)
     assert {(r["compute_opt"], r["policy"]) for r in got if r["experiment"] == "component"} == {
         ("false", "off"), ("false", "specprefetch"), ("true", "off"), ("true", "specprefetch")}
     for r in got:
         assert float(r["tokens_per_s"]) > 0 and 0 <= float(r["ready_recall"]) <= 1 and r["tokens_match"] == "true"
         assert int(r["peak_cache_experts"]) <= int(r["capacity_experts"])
-    # the component experiment's compute-optimized pair is main's (measured once, same repeat)
-    by = {(r["experiment"], r["policy"], r["compute_opt"]): r for r in got}
-    for pol in ("off", "specprefetch"):
-        reused, orig = by[("component", pol, "true")], by[("main", pol, "true")]
+    # the matched experiment on the reference storage is main's runs (measured once, same repeat); the component
+    # analysis pairs across compute_opt, so it runs whole in its own block
+    by = {(r["experiment"], r["policy"], r["storage"], r["compute_opt"]): r for r in got}
+    for pol in ("off", "naive", "specprefetch", "fate"):
+        reused, orig = by[("matched", pol, "nvme_cold", "true")], by[("main", pol, "nvme_cold", "true")]
         assert reused["measured_in"] == "main" and reused["tokens_per_s"] == orig["tokens_per_s"]
-        assert by[("component", pol, "false")]["measured_in"] == "component"
+        assert by[("matched", pol, "slow_ufs", "true")]["measured_in"] == "matched"
+    assert {r["measured_in"] for r in got if r["experiment"] == "component"} == {"component"}
     record = torch.load(tmp_path / "r.pt", weights_only=False)
     val = validate_simulator(record, prof, s)
     err = summarize_validation(val)
@@ -459,7 +461,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
 
 
 def test_groups_measured_by_an_earlier_experiment_are_reused() -> None:
-    """A pairing group (experiment, storage, compute_opt) runs once: later experiments take it whole, or run it."""
+    """A pairing group (experiment, storage) runs once: later experiments take it whole, or run it."""
     from specprefetch.config import REPO_ROOT, load_config
     from specprefetch.runtime.bench import plan_experiments, reused_groups
     from specprefetch.runtime.settings import device_settings
@@ -467,11 +469,10 @@ def test_groups_measured_by_an_earlier_experiment_are_reused() -> None:
     s = device_settings(load_config(REPO_ROOT / "config" / "config.yaml"))
     plan = plan_experiments(s, 5, s["experiments"])
     assert reused_groups(plan) == {
-        ("matched", "nvme_cold", True): "main",       # OFF, Naive, SpecPrefetch, FATE at M_max: all in main
-        ("storage", "nvme_cold", True): "main",
-        ("storage", "slow_ufs", True): "matched",
-        ("component", "nvme_cold", True): "main",
-    }  # the sweep's group (every M) is not all in main: it runs, paired with its own OFF
+        ("matched", "nvme_cold"): "main",       # OFF, Naive, SpecPrefetch, FATE at M_max: all in main
+        ("storage", "nvme_cold"): "main",
+        ("storage", "slow_ufs"): "matched",
+    }  # the sweep (every M) and the component analysis (compute_opt off too) are not all in main: they run whole
     # a group only partly measured before (main needs more than storage ran) runs in full
     assert reused_groups(plan_experiments(s, 5, ["storage", "main"])) == {}
 

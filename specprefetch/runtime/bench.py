@@ -12,8 +12,8 @@ Experiments (the ``experiment`` column of ``runs.csv``), all on the same prompts
 
 Within an experiment, repeat ``r`` of every configuration runs back to back before repeat ``r+1`` starts, so
 gains are paired: ``tokens_per_s / tokens_per_s(off, same experiment, storage, compute_opt, repeat) - 1``.
-A pairing group (an experiment's configurations on one storage and compute_opt, OFF included) that an earlier
-experiment measured in full is not run again: its rows are that experiment's runs of the same repeat, relabelled
+A pairing group (an experiment's configurations on one storage, OFF included; Figure 6 pairs across compute_opt)
+that an earlier experiment measured in full is not run again: its rows are that experiment's runs of the same repeat, relabelled
 (column ``measured_in`` names the experiment that ran them), so pairs still come from one block of back-to-back
 runs. E.g. ``matched`` on the reference storage is ``main``'s OFF, Naive, SpecPrefetch and FATE.
 Every run must decode exactly the tokens of the first run (the router decides; this is checked). Each run's
@@ -85,22 +85,22 @@ def plan_experiments(s: dict[str, Any], m_max: int, experiments: Iterable[str]) 
     return out
 
 
-def reused_groups(plan: dict[str, list[RunConfig]]) -> dict[tuple[str, str, bool], str]:
-    """``(experiment, storage, compute_opt) -> earlier experiment`` for every pairing group that an earlier
-    experiment measures in full (see the module docstring); groups not listed are run."""
-    out: dict[tuple[str, str, bool], str] = {}
+def reused_groups(plan: dict[str, list[RunConfig]]) -> dict[tuple[str, str], str]:
+    """``(experiment, storage) -> earlier experiment`` for every pairing group that an earlier experiment measures
+    in full (see the module docstring); groups not listed are run."""
+    out: dict[tuple[str, str], str] = {}
     measured: dict[str, set[tuple[str, str, int, bool]]] = {}
     for exp, configs in plan.items():
-        groups: dict[tuple[str, bool], set[tuple[str, str, int, bool]]] = {}
+        groups: dict[str, set[tuple[str, str, int, bool]]] = {}
         for c in configs:
-            groups.setdefault((c.storage, c.compute_opt), set()).add(c.signature)
+            groups.setdefault(c.storage, set()).add(c.signature)
         measured[exp] = set()
-        for (storage, opt), sigs in groups.items():
+        for storage, sigs in groups.items():
             src = next((e for e, have in measured.items() if e != exp and sigs <= have), None)
             if src is None:
                 measured[exp] |= sigs
             else:
-                out[(exp, storage, opt)] = src
+                out[(exp, storage)] = src
     return out
 
 
@@ -136,10 +136,10 @@ def bench_runtime(h: Harness, profile: dict[str, Any], model: str, platform: str
     plan = plan_experiments(s, m_max, experiments or s["experiments"])
     reuse = reused_groups(plan)
     repeats = int(s["repeats"])
-    n_runs = sum(1 for exp, v in plan.items() for c in v if (exp, c.storage, c.compute_opt) not in reuse) * repeats
+    n_runs = sum(1 for exp, v in plan.items() for c in v if (exp, c.storage) not in reuse) * repeats
     log.info("%d runs: %s", n_runs, ", ".join(f"{k} ({len(v)} configs)" for k, v in plan.items()))
-    for (exp, storage, opt), src in reuse.items():
-        log.info("%s on %s (compute_opt=%s): the runs of %s", exp, storage, opt, src)
+    for (exp, storage), src in reuse.items():
+        log.info("%s on %s: the runs of %s", exp, storage, src)
     # warm-up: allocator, lazy module init, page-table of the store (not recorded)
     h.run("resident", "ram", max_new_tokens=4, prompts=h.prompts[:1])
     h.run("off", s["reference_storage"], max_new_tokens=4, prompts=h.prompts[:1])
@@ -151,7 +151,7 @@ def bench_runtime(h: Harness, profile: dict[str, Any], model: str, platform: str
     for exp, configs in plan.items():
         for r in range(repeats):
             for cfg in configs:
-                src = reuse.get((exp, cfg.storage, cfg.compute_opt))
+                src = reuse.get((exp, cfg.storage))
                 if src is not None:
                     rows.append({**measured[(src, r, cfg.signature)], "experiment": exp})
                     continue
