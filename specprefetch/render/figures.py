@@ -248,7 +248,7 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
                    handlelength=1.5)
         ax2.errorbar(summ["m_max"], summ["ready_pct_mean"], yerr=summ["ready_pct_std"], color=c, marker="s")
         ax2.set_ylabel("ReadyRecall (%)")
-        ax2.set_xlabel(r"Maximum prefetch budget $M_{\max}$ (experts per layer)")
+        ax2.set_xlabel(r"Maximum prefetch budget $M_{\max}$ (experts/layer)")
         ax2.set_xticks(summ["m_max"].tolist())
         for ax in (ax1, ax2):
             if profiled is not None:
