@@ -13,9 +13,9 @@ Experiments (the ``experiment`` column of ``runs.csv``), all on the same prompts
 Within an experiment, repeat ``r`` of every configuration runs back to back before repeat ``r+1`` starts, so
 gains are paired: ``tokens_per_s / tokens_per_s(off, same experiment, storage, compute_opt, repeat) - 1``.
 A pairing group (an experiment's configurations on one storage, OFF included; Figure 6 pairs across compute_opt)
-that an earlier experiment measured in full is not run again: its rows are that experiment's runs of the same repeat, relabelled
-(column ``measured_in`` names the experiment that ran them), so pairs still come from one block of back-to-back
-runs. E.g. ``matched`` on the reference storage is ``main``'s OFF, Naive, SpecPrefetch and FATE.
+that an earlier experiment measured in full is not run again: its rows are that experiment's runs of the same
+repeat, relabelled (column ``measured_in`` names the experiment that ran them), so pairs still come from one block
+of back-to-back runs. E.g. ``matched`` on the reference storage is ``main``'s OFF, Naive, SpecPrefetch and FATE.
 Every run must decode exactly the tokens of the first run (the router decides; this is checked). Each run's
 routing and priorities are kept so the simulator can replay it.
 """
@@ -44,6 +44,9 @@ RUN_COLUMNS = [
 ]
 
 
+Signature = tuple[str, str, int, bool]  # (policy, storage, budget, compute_opt): what the runtime is given
+
+
 @dataclass(frozen=True)
 class RunConfig:
     experiment: str
@@ -57,9 +60,14 @@ class RunConfig:
         return f"{self.experiment}|{self.policy}|{self.storage}|{self.m_max}|{int(self.compute_opt)}"
 
     @property
-    def signature(self) -> tuple[str, str, int, bool]:
-        """What the runtime is given (OFF and all-resident ignore the budget), whatever the experiment."""
-        return (self.policy, self.storage, 0 if self.policy in ("off", "resident") else self.m_max, self.compute_opt)
+    def budget(self) -> int:
+        """The M_max the runtime uses (OFF and all-resident prefetch nothing)."""
+        return 0 if self.policy in ("off", "resident") else self.m_max
+
+    @property
+    def signature(self) -> Signature:
+        """What the runtime is given, whatever the experiment."""
+        return (self.policy, self.storage, self.budget, self.compute_opt)
 
 
 def plan_experiments(s: dict[str, Any], m_max: int, experiments: Iterable[str]) -> dict[str, list[RunConfig]]:
@@ -89,9 +97,9 @@ def reused_groups(plan: dict[str, list[RunConfig]]) -> dict[tuple[str, str], str
     """``(experiment, storage) -> earlier experiment`` for every pairing group that an earlier experiment measures
     in full (see the module docstring); groups not listed are run."""
     out: dict[tuple[str, str], str] = {}
-    measured: dict[str, set[tuple[str, str, int, bool]]] = {}
+    measured: dict[str, set[Signature]] = {}
     for exp, configs in plan.items():
-        groups: dict[str, set[tuple[str, str, int, bool]]] = {}
+        groups: dict[str, set[Signature]] = {}
         for c in configs:
             groups.setdefault(c.storage, set()).add(c.signature)
         measured[exp] = set()
@@ -145,7 +153,7 @@ def bench_runtime(h: Harness, profile: dict[str, Any], model: str, platform: str
     h.run("off", s["reference_storage"], max_new_tokens=4, prompts=h.prompts[:1])
     reference_tokens: list[list[int]] | None = None
     rows: list[dict[str, Any]] = []
-    measured: dict[tuple[str, int, tuple[str, str, int, bool]], dict[str, Any]] = {}
+    measured: dict[tuple[str, int, Signature], dict[str, Any]] = {}
     routing: dict[str, Any] = {}
     done = 0
     for exp, configs in plan.items():

@@ -25,7 +25,7 @@ from typing import Any
 from tqdm import tqdm
 
 from specprefetch.io import SpecPrefetchError, atomic_path
-from specprefetch.runtime.bench import RUN_COLUMNS, plan_experiments, write_runs_csv
+from specprefetch.runtime.bench import RUN_COLUMNS, Signature, plan_experiments, write_runs_csv
 from specprefetch.runtime.platforms import calibrate_bandwidth, compute_profile_of, nvme_profile, platform_profile
 from specprefetch.runtime.simulator import (
     ComputeProfile,
@@ -142,7 +142,7 @@ def simulate_platform(platform: str, model: str, arch: str, trace_readers: Seque
     s = {**settings, "reference_storage": "nvme_cold"}
     plan = plan_experiments(s, m_max, [e for e in experiments if e != "component"])
     rows = []
-    results: dict[tuple[str, str, int, bool], Any] = {}  # deterministic: a configuration of several experiments once
+    results: dict[Signature, Any] = {}  # deterministic: a configuration of several experiments is simulated once
     for exp, configs in plan.items():
         for cfg in configs:
             if cfg.storage == "nvme_cold":
@@ -157,7 +157,7 @@ def simulate_platform(platform: str, model: str, arch: str, trace_readers: Seque
             res = results[cfg.signature]
             st = res.stats
             rows.append({"platform": platform, "model": model, "experiment": exp, "policy": cfg.policy,
-                         "storage": cfg.storage, "m_max": cfg.m_max if cfg.policy not in ("off", "resident") else 0,
+                         "storage": cfg.storage, "m_max": cfg.budget,
                          "compute_opt": True, "repeat": 0, "tokens_per_s": res.tokens_per_s,
                          "ready_recall": st.ready_recall, "n_tokens": res.n_tokens, "hits": st.hits,
                          "misses": st.misses, "prefetched": st.prefetched, "wasted": st.wasted,
