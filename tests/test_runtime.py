@@ -560,3 +560,25 @@ def test_per_model_experiments() -> None:
     bad = {**cfg, "device": {**cfg["device"], "model_experiments": {"tiny-deepseek-vl2": ["nope"]}}}
     with pytest.raises(SpecPrefetchError, match=r"device.model_experiments.tiny-deepseek-vl2': 'nope'"):
         device_settings(bad)
+
+
+def test_missing_or_foreign_window_profile_is_a_clear_error(tmp_path: Path) -> None:
+    """validate-simulator / bench-runtime name the profile.json that is missing or belongs to another model."""
+    import subprocess
+    import sys
+
+    from specprefetch.config import REPO_ROOT
+
+    def validate(window: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "specprefetch", "validate-simulator", "--config",
+                               str(REPO_ROOT / "config" / "config.yaml"), "--model", "tiny-deepseek-vl2",
+                               "--window", str(window), "--routing", str(tmp_path / "r.pt"),
+                               "--out", str(tmp_path / "v.csv")], capture_output=True, text=True)
+
+    res = validate(tmp_path / "nowhere")
+    assert res.returncode != 0 and "nowhere/profile.json: cannot read the window profile" in res.stderr
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "profile.json").write_text(json.dumps({"model": "tiny-qwen3-vl-moe"}))
+    res = validate(tmp_path / "w")
+    assert res.returncode != 0 and "is for model 'tiny-qwen3-vl-moe', not 'tiny-deepseek-vl2'" in res.stderr
+    assert not (tmp_path / "v.csv").exists()

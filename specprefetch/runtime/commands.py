@@ -113,6 +113,19 @@ def _fragment(cfg: dict[str, Any], model: str) -> dict[str, Any]:
     return {"device": cfg.get("device"), "model": cfg["models"][model], "seed": cfg["seed"]}
 
 
+def _window_profile(window: Path, model: str) -> dict[str, Any]:
+    """``profile-window``'s profile.json for ``model`` (a clear error when missing, malformed or another model's)."""
+    path = Path(window) / "profile.json"
+    try:
+        profile = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecPrefetchError(f"{path}: cannot read the window profile ({exc}); run profile-window first") from exc
+    if not isinstance(profile, dict) or profile.get("model") != model:
+        got = profile.get("model") if isinstance(profile, dict) else None
+        raise SpecPrefetchError(f"{path} is for model {got!r}, not {model!r}")
+    return profile
+
+
 # ------------------------------------------------------------------------------------------ commands
 def _cmd_build_store(args: argparse.Namespace) -> None:
     from specprefetch.models import load_bundle
@@ -139,9 +152,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     from specprefetch.runtime.bench import bench_runtime
 
     env = _setup(args)
-    profile = json.loads((Path(args.window) / "profile.json").read_text())
-    if profile.get("model") != args.model:
-        raise SpecPrefetchError(f"{args.window}/profile.json is for model {profile.get('model')!r}, not {args.model!r}")
+    profile = _window_profile(args.window, args.model)
     h = _harness(env, scale=float(profile.get("emulation_scale", 1.0)))
     from specprefetch.runtime.settings import experiments_for
 
@@ -162,7 +173,7 @@ def _cmd_validate_simulator(args: argparse.Namespace) -> None:
     cfg = load_args_config(args)
     s = device_settings(cfg)
     torch.set_num_threads(int(s["threads"]))
-    profile = json.loads((Path(args.window) / "profile.json").read_text())
+    profile = _window_profile(args.window, args.model)
     record = torch.load(args.routing, weights_only=False)
     if record.get("format") != "specprefetch-routing-record/1":
         raise SpecPrefetchError(f"{args.routing}: not a routing record of bench-runtime")
