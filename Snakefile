@@ -3,6 +3,7 @@
 #   snakemake --cores all paper_tables --configfile config/paper.yaml  # the paper's setup (GPUs, hub)
 # Every rule is one call into the `specprefetch` CLI; all logic lives in the library.
 
+import shlex
 import sys
 
 from snakemake.utils import min_version
@@ -17,19 +18,22 @@ if not workflow.overwrite_configfiles:
 
 
 from snakemake.exceptions import WorkflowError
-from specprefetch.config import ConfigError
+from specprefetch.io import SpecPrefetchError
 from specprefetch.workflow import Pipeline
 
 # Validates the config (schema via snakemake.utils.validate, then cross-field checks) before any job runs,
-# and writes the resolved config that every job reads (content-addressed under .snakemake/).
+# and writes the resolved config that every job reads (content-addressed under .snakemake/). The config files
+# are read once more by the project's strict reader: Snakemake's YAML loader keeps the last of two equal keys.
 try:
-    P = Pipeline(config, workdir=workflow.basedir)
-except ConfigError as exc:
+    P = Pipeline(config, workdir=workflow.basedir, config_files=workflow.configfiles)
+except SpecPrefetchError as exc:
     raise WorkflowError(str(exc)) from None
-CFG = P.config_path
+CFG = P.config_path  # a path: the rules write it as {CFG:q}
 # The CLI, run by the Python that runs Snakemake (works without an activated venv, and on cluster nodes
-# that share the file system).
-SP = f"{sys.executable} -m specprefetch"
+# that share the file system). Already shell words (each quoted), so the rules write it as {SP}, unquoted.
+# Shell safety: every other placeholder in a `shell:` string is :q-quoted, or a param built with shlex
+# (tests/test_shell_quoting.py checks both).
+SP = shlex.join([sys.executable, "-m", "specprefetch"])
 
 
 wildcard_constraints:

@@ -70,9 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except SpecPrefetchError as exc:
-        print(f"specprefetch {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args.command, str(exc))
+    except OSError as exc:  # a full disk, a read-only or vanished directory: the OS's reason and the file
+        where = f"{exc.filename}: " if exc.filename else ""
+        return _fail(args.command, f"{where}{exc.strerror or exc}")
+    except KeyboardInterrupt:
+        print(f"specprefetch {args.command}: interrupted (outputs are written atomically: none was left "
+              "half-written)", file=sys.stderr)
+        return 130
     return 0
+
+
+def _fail(command: str, message: str) -> int:
+    """One line on stderr (a message that spans lines is joined), exit status 2."""
+    print(f"specprefetch {command}: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

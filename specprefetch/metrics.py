@@ -13,7 +13,6 @@ C_M is a prefix of C_{M'} for M < M'. Candidate slots a method cannot fill are -
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from specprefetch.contracts import read_csv, read_doc
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance, sha256_file, write_json_atomic
 from specprefetch.predictors.base import Predictor, load_predictor, read_meta, run_ids
 
@@ -216,21 +216,37 @@ def _write_csv(df: pd.DataFrame, target: Path) -> None:
 
 
 def _read_csv(path: Path, columns: Sequence[str]) -> pd.DataFrame:
-    try:
-        df = pd.read_csv(path)
-    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
-        raise SpecPrefetchError(f"{path}: unreadable CSV ({exc})") from None
-    missing = [c for c in columns if c not in df.columns]
-    if missing:
-        raise SpecPrefetchError(f"{path}: missing columns {', '.join(missing)}")
-    return df[list(columns)]
+    """A recall CSV with every column filled: a truncated or hand-edited file is an error, never a NaN cell."""
+    df = read_csv(path, columns, "recall CSV")[list(columns)]
+    if df.empty:
+        raise SpecPrefetchError(f"{path}: no rows (a truncated recall CSV?)")
+    for col in columns:
+        empty = df[col].isna()
+        if empty.any():
+            raise SpecPrefetchError(f"{path}:{int(empty.to_numpy().argmax()) + 2}: empty {col!r} cell "
+                                    "(a truncated or edited recall CSV)")
+    for col in ("n_tokens", "expert_recall"):
+        if col in df.columns:
+            values = pd.to_numeric(df[col], errors="coerce")
+            bad = values.isna() | (values <= 0 if col == "n_tokens" else (values < 0) | (values > 1))
+            if bad.any():
+                line = int(bad.to_numpy().argmax()) + 2
+                raise SpecPrefetchError(f"{path}:{line}: {col} {df[col].iloc[line - 2]!r} is not "
+                                        f"{'a positive count' if col == 'n_tokens' else 'a recall in [0, 1]'}")
+            df[col] = values
+    return df
 
 
 def _scatter_of(csv: Path) -> tuple[int, int]:
     """(index, count) of the trace scatter shard a recall CSV was evaluated on (0, 1 for a whole trace)."""
     prov = csv.with_name(csv.stem + ".provenance.json")
-    info = (json.loads(prov.read_text()).get("scatter") if prov.is_file() else None) or {}
-    return int(info.get("index", 0)), int(info.get("count", 1))
+    info = (read_doc(prov, None, "recall provenance").get("scatter") if prov.is_file() else None) or {}
+    if not isinstance(info, dict):
+        raise SpecPrefetchError(f"{prov}: 'scatter' must be a mapping with index and count")
+    try:
+        return int(info.get("index", 0)), int(info.get("count", 1))
+    except (TypeError, ValueError):
+        raise SpecPrefetchError(f"{prov}: scatter index/count must be integers, got {info!r}") from None
 
 
 def _token_weighted(frames: list[pd.DataFrame], key: list[str]) -> pd.DataFrame:

@@ -10,7 +10,6 @@ replaced by the figures of a first small run (``benchmarks/extract_traces/...tsv
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from specprefetch.config import LEARNED_METHODS, n_moe_layers, trains_online
+from specprefetch.contracts import read_doc, require
 from specprefetch.io import SpecPrefetchError
 from specprefetch.traces.store import INPUT_DTYPES, LOGITS_DTYPES, TOKEN_KEYS, TOPK_DTYPE, dtype_from_name
 
@@ -97,8 +97,9 @@ def trace_sets(cfg: Mapping[str, Any], results: Path | None = None,
             bpt = bytes_per_token(cfg, model)
             man = results / "traces" / model / workload / "manifest.json" if results is not None else None
             if man is not None and man.is_file():
-                m = json.loads(man.read_text())
-                out.append(TraceSet(model, workload, int(m["n_samples"]), int(m["n_tokens"]), True, bpt))
+                m = read_doc(man, None, "trace manifest", required=("n_samples", "n_tokens"))
+                out.append(TraceSet(model, workload, int(require(m, "n_samples", int, str(man))),
+                                    int(require(m, "n_tokens", int, str(man))), True, bpt))
                 continue
             n = _samples(cfg, workload, samples or {})
             out.append(TraceSet(model, workload, n, n * _tokens_per_sample(cfg, model, workload), False, bpt))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
+from specprefetch.contracts import read_doc
 from specprefetch.io import SpecPrefetchError, atomic_path, config_hash, provenance, seed_everything, sha256_file
 from specprefetch.predictors.base import METHODS, Predictor, PredictorDims, build_predictor, predictor_class
 from specprefetch.predictors.data import OnlineChunks, TraceChunks, steps_for
@@ -75,10 +75,7 @@ def model_vocab_size(model_dir: Path | None) -> int | None:
     if model_dir is None or not (Path(model_dir) / "config.json").is_file():
         return None
     path = Path(model_dir) / "config.json"
-    try:
-        conf = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecPrefetchError(f"{path}: unreadable ({exc})") from None
+    conf = read_doc(path, None, "model config")
     for section in (conf, conf.get("text_config") or {}, conf.get("language_config") or {}):
         if isinstance(section.get("vocab_size"), int):
             return int(section["vocab_size"])

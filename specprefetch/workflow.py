@@ -1,28 +1,48 @@
 """What the Snakefile needs to know about a config: names, paths, wildcards, per-rule config hashes.
 
 Kept out of the .smk files so the rules stay thin wiring and the logic is tested like any library code.
+
+Shell safety: the ``*_arg``/``*_args`` helpers and ``train_command`` return ready shell words (every argument
+quoted with ``shlex``); the rules insert them unquoted (``{params.x}``), everything else with ``:q``.
 """
 
 from __future__ import annotations
 
 import copy
 import re
+import shlex
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from specprefetch.config import LEARNED_METHODS, trains_online, validate_config
+from specprefetch.contracts import read_doc
 from specprefetch.io import config_hash, write_text_atomic
 
 CORPUS = "corpus"
 
 
+def shell_args(*args: str | int | list[str] | tuple[str, ...]) -> str:
+    """Shell words for a command line: each argument quoted on its own (a list/tuple argument: each element)."""
+    words: list[str] = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            words.extend(str(x) for x in a)
+        else:
+            words.append(str(a))
+    return shlex.join(words)
+
+
 class Pipeline:
     """The validated config of one profile, and the file layout of its results."""
 
-    def __init__(self, config: dict[str, Any], workdir: str | Path = ".") -> None:
+    def __init__(self, config: dict[str, Any], workdir: str | Path = ".",
+                 config_files: Sequence[str | Path] = ()) -> None:
         self.workdir = Path(workdir)
+        for path in config_files:  # duplicate keys, encodings: what Snakemake's own loader lets through
+            read_doc(path, None, "config file", kind="yaml")
         validate_config(config, self.workdir)
         self.cfg = copy.deepcopy(config)
         self.config_path = self._write_resolved_config()
@@ -89,7 +109,16 @@ class Pipeline:
 
     def model_dir_arg(self, model: str) -> str:
         d = self.model_dir(model)
-        return f"--model-dir {d}" if d else ""
+        return shell_args("--model-dir", d) if d else ""
+
+    def predictor_args(self, model: str, methods: Iterable[str]) -> str:
+        """``--predictor METHOD=DIR ...`` for the CLI (quoted shell words)."""
+        return shell_args(*[w for m in methods for w in ("--predictor", f"{m}={self.predictor_dir(model, m)}")])
+
+    @staticmethod
+    def traces_arg(traces: str | list[str] | None) -> str:
+        """``--traces DIR`` (quoted shell words), or nothing when the job reads no traces (online training)."""
+        return shell_args("--traces", traces) if traces else ""
 
     def trace_dir(self, model: str, workload: str) -> str:
         """A whole trace set, gathered from its scatter shards."""
@@ -109,9 +138,14 @@ class Pipeline:
 
     def train_command(self, python: str) -> str:
         """How train_predictor starts: ``python -m specprefetch``, or the configured multi-process launcher
-        (``predictors.training.launcher``, e.g. torchrun) running the same module."""
+        (``predictors.training.launcher``, e.g. torchrun) running the same module.
+
+        Returns shell words. The launcher is a command *by design* (a user-supplied prefix such as
+        ``torchrun --standalone --nproc_per_node=4``): it is inserted as shell words, not quoted, so only
+        trusted text belongs there. The interpreter path and the module name are quoted."""
         launcher = self.cfg["predictors"]["training"].get("launcher")
-        return f"{launcher} -m specprefetch" if launcher else f"{python} -m specprefetch"
+        module = shell_args("-m", "specprefetch")
+        return f"{launcher} {module}" if launcher else f"{shell_args(python)} {module}"
 
     @property
     def scatter(self) -> int:

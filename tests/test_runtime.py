@@ -423,7 +423,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     try:
         prof = profile_window(h, "tiny", "test-cpu", tmp_path / "window")
         assert 1 <= prof["m_max"] <= spec.n_experts and prof["window_ms_mean"] > 0
-        rows = bench_runtime(h, prof, "tiny", "test-cpu", tmp_path / "runs.csv", routing_out=tmp_path / "r.pt")
+        rows = bench_runtime(h, prof, "tiny", "test-cpu", tmp_path / "runs.csv", routing_out=tmp_path / "r.safetensors")
     finally:
         h.close()
     with open(tmp_path / "window" / "window.csv") as f:
@@ -453,7 +453,11 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         assert reused["measured_in"] == "main" and reused["tokens_per_s"] == orig["tokens_per_s"]
         assert by[("matched", pol, "slow_ufs", "true")]["measured_in"] == "matched"
     assert {r["measured_in"] for r in got if r["experiment"] == "component"} == {"component"}
-    record = torch.load(tmp_path / "r.pt", weights_only=False)
+    from specprefetch.contracts import ROUTING_FORMAT, load_tensor_tree
+    from specprefetch.runtime.simrun import check_routing_record
+
+    record = load_tensor_tree(tmp_path / "r.safetensors", ROUTING_FORMAT, "routing record")
+    check_routing_record(record, tmp_path / "r.safetensors", "tiny")
     val = validate_simulator(record, prof, s)
     err = summarize_validation(val)
     assert len(val) == len(record["runs"]) * 7 and all(v == v for v in (err["tokens_per_s"], err["hits"]))

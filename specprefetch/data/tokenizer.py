@@ -24,6 +24,33 @@ PAD = "<|pad|>"
 SPECIAL_TOKENS = [EOS, PAD, "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>", "<image>"]
 EXTRA_SPECIAL = SPECIAL_TOKENS[2:]
+# What ``PreTrainedTokenizerFast.save_pretrained`` writes and ``AutoTokenizer`` needs to rebuild this tokenizer
+# (without ``tokenizer_config.json`` it loads a tokenizer without the special tokens; without ``tokenizer.json``
+# it cannot build one at all).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def check_tokenizer_files(tok_dir: str | Path, hint: str = "") -> None:
+    """Every file of :data:`TOKENIZER_FILES` is in ``tok_dir``; else one line naming the directory and file."""
+    tok_dir = Path(tok_dir)
+    for name in TOKENIZER_FILES:
+        if not (tok_dir / name).is_file():
+            raise SpecPrefetchError(f"{tok_dir}: tokenizer file {name} missing" + (f" ({hint})" if hint else ""))
+
+
+def load_tokenizer(tok_dir: str | Path, hint: str = "") -> Any:
+    """``AutoTokenizer.from_pretrained(tok_dir)`` after :func:`check_tokenizer_files`; a file that is there but
+    cannot be read is one line naming the directory (``hint``: what to run to remake it)."""
+    from transformers import AutoTokenizer
+
+    tok_dir = Path(tok_dir)
+    check_tokenizer_files(tok_dir, hint)
+    try:
+        return AutoTokenizer.from_pretrained(tok_dir)
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises bare Exception for a malformed tokenizer.json
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise SpecPrefetchError(f"{tok_dir}: cannot load the tokenizer ({type(exc).__name__}: {first})"
+                                + (f"; {hint}" if hint else "")) from None
 
 
 def corpus_texts(corpus_dir: Path) -> Iterator[str]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from specprefetch.contracts import read_doc, read_jsonl, reraise_as
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance, sha256_file
 
 log = logging.getLogger(__name__)
@@ -123,19 +124,12 @@ def read_samples_jsonl(path: Path, image_root: Path | None = None) -> list[Sampl
         raise WorkloadError(f"samples file not found: {path}")
     samples: list[Sample] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
-            if not line.strip():
-                raise WorkloadError(f"{where}: empty line (one JSON object per line expected)")
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise WorkloadError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    with reraise_as(WorkloadError):
+        for where, obj in read_jsonl(path, "samples file"):
             sample = Sample.from_json(obj, where)
             if sample.id in seen:
                 raise WorkloadError(f"{where}: duplicate id {sample.id!r} (first on line {seen[sample.id]})")
-            seen[sample.id] = lineno
+            seen[sample.id] = int(where.rsplit(":", 1)[1])
             if image_root is not None and sample.image is not None:
                 img = image_root / sample.image
                 if not img.is_file():
@@ -150,14 +144,8 @@ def read_manifest(root: Path) -> dict[str, Any]:
     path = Path(root) / MANIFEST_FILE
     if not path.is_file():
         raise WorkloadError(f"{path}: missing; {root} is not a complete workload directory")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise WorkloadError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else manifest
-        raise WorkloadError(f"{path}: format must be {FORMAT!r}, got {got!r}")
-    return manifest
+    with reraise_as(WorkloadError):
+        return read_doc(path, FORMAT, "workload manifest")
 
 
 def read_workload(root: Path, verify: bool = True) -> list[Sample]:

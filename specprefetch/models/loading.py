@@ -19,7 +19,13 @@ from torch import Tensor, nn
 from specprefetch.config import REPO_ROOT, ConfigError, n_moe_layers
 from specprefetch.io import SpecPrefetchError
 from specprefetch.models.routing import RoutingSpec, discover_routing
-from specprefetch.models.standins import META_FILE, DeepseekVL2StandIn, load_stand_in
+from specprefetch.models.standins import (
+    META_FILE,
+    DeepseekVL2StandIn,
+    check_checkpoint_config,
+    check_weights_match_config,
+    load_stand_in,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +149,7 @@ def check_routing_matches(spec: RoutingSpec, mcfg: dict[str, Any], model_name: s
 
 
 def _load_stand_in_bundle(name: str, mcfg: dict[str, Any], path: Path, device: torch.device) -> ModelBundle:
-    s = load_stand_in(path, device)
+    s = load_stand_in(path, device, mcfg=mcfg, model_name=name)
     spec = discover_routing(s.model)
     return ModelBundle(name=name, arch=spec.arch, kind="stand_in", model=s.model, tokenizer=s.tokenizer,
                        image_processor=s.image_processor, routing=spec, model_cfg=mcfg, model_dir=path,
@@ -164,12 +170,36 @@ def _hub_error(mcfg: dict[str, Any], name: str, exc: BaseException) -> ModelLoad
     )
 
 
+def _local_error(local: Path, name: str, exc: BaseException) -> ModelLoadError:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if "ignore_mismatched_sizes" in first:
+        return ModelLoadError(f"{local}: tensor shapes of the weights do not match {local / 'config.json'} (the "
+                              f"weights and config.json are from different models; model {name!r})")
+    return ModelLoadError(f"{local}: cannot load the checkpoint of model {name!r}: {type(exc).__name__}: {first}")
+
+
+def check_local_checkpoint(local: Path, mcfg: dict[str, Any], name: str) -> None:
+    """Before ``from_pretrained`` reads a local checkpoint: its config.json agrees with the config's model entry,
+    its safetensors files are whole (a truncated one is named), the shards its index lists exist, and the router
+    gates' shapes agree with config.json. (A directory with ``specprefetch_model.json`` is a stand-in, loaded by
+    :func:`load_stand_in`, which also checks the sha256 recorded there.)"""
+    config_json = local / "config.json"
+    if not config_json.is_file():
+        raise ModelLoadError(f"{config_json}: missing; {local} is not a transformers checkpoint (model {name!r})")
+    check_checkpoint_config(config_json, mcfg, name)
+    check_weights_match_config(local, config_json)
+
+
 def _load_hf_bundle(name: str, mcfg: dict[str, Any], local: Path | None, device: torch.device) -> ModelBundle:
     """A transformers checkpoint (hub id or local copy). DeepSeek-VL2 runs its repository code, opt-in only."""
+    from safetensors import SafetensorError
+
     arch = mcfg["arch"]
     where = str(local) if local is not None else mcfg.get("hub_id")
     if where is None:
         raise ConfigError(f"invalid config key 'models.{name}.hub_id': required to load source {mcfg['source']!r}")
+    if local is not None:
+        check_local_checkpoint(local, mcfg, name)
     common: dict[str, Any] = {"dtype": _dtype(mcfg)}
     if local is None:
         common["revision"] = mcfg.get("revision", "main")
@@ -193,8 +223,12 @@ def _load_hf_bundle(name: str, mcfg: dict[str, Any], local: Path | None, device:
             tokenizer, image_processor = AutoTokenizer.from_pretrained(where, revision=common.get("revision")), None
         else:
             raise ConfigError(f"invalid config key 'models.{name}.arch': {arch!r} cannot be loaded from a checkpoint")
-    except (OSError, ValueError, ImportError) as exc:
+    except (OSError, ValueError, ImportError, RuntimeError, SafetensorError) as exc:
         if isinstance(exc, SpecPrefetchError):
+            raise
+        if local is not None:
+            raise _local_error(local, name, exc) from exc
+        if isinstance(exc, RuntimeError):
             raise
         raise _hub_error(mcfg, name, exc) from exc
     if "device_map" not in common:

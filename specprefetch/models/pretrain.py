@@ -287,7 +287,7 @@ def quality_checks(result: dict[str, Any]) -> dict[str, Any]:
 def pretrain_stand_in(cfg: dict[str, Any], model_name: str, corpus_dir: str | Path, tokenizer_dir: str | Path,
                       out_dir: str | Path) -> dict[str, Any]:
     """Build, train and save the stand-in ``model_name`` into ``out_dir`` (atomically); returns the train log."""
-    from transformers import AutoTokenizer
+    from specprefetch.data.tokenizer import load_tokenizer
 
     mcfg = cfg["models"].get(model_name)
     if mcfg is None:
@@ -297,9 +297,9 @@ def pretrain_stand_in(cfg: dict[str, Any], model_name: str, corpus_dir: str | Pa
                                 f"stand_in model with a pretrain section, got source {mcfg['source']!r}")
     pcfg = mcfg["pretrain"]
     corpus_dir, tokenizer_dir = Path(corpus_dir), Path(tokenizer_dir)
-    if not (tokenizer_dir / "tokenizer.json").is_file():
-        raise SpecPrefetchError(f"tokenizer not found: {tokenizer_dir / 'tokenizer.json'} (run train-tokenizer)")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if not tokenizer_dir.is_dir():
+        raise SpecPrefetchError(f"tokenizer not found: {tokenizer_dir} (run train-tokenizer)")
+    tokenizer = load_tokenizer(tokenizer_dir, hint="run train-tokenizer")
     special_token_ids(tokenizer, where=str(tokenizer_dir))
     samples = read_corpus(corpus_dir)
     seed = int(pcfg["seed"])
@@ -336,7 +336,7 @@ def pretrain_stand_in(cfg: dict[str, Any], model_name: str, corpus_dir: str | Pa
     )
     stand_in.meta["train"] = {"steps": int(pcfg["steps"]), "seed": seed, "heldout_lm_loss": result["heldout_lm_loss"]}
     with atomic_path(out_dir, is_dir=True) as tmp:
-        save_stand_in(stand_in, tmp)
+        save_stand_in(stand_in, tmp)  # records the sha256 of every weight file in specprefetch_model.json
         write_json_atomic(tmp / TRAIN_LOG, result)
     q = result["quality"]
     log.info("%s: %.0f s; held-out LM loss %.3f vs unigram %.3f; max load share %.3f; FATE recall@K %.3f "

@@ -12,6 +12,11 @@
 Both are saved with safetensors, with the tokenizer and image processor in the same directory. The experts
 run transformers' default ``grouped_mm`` implementation: measured 2-3x faster than ``eager`` for training on
 CPU, and bit-reproducible under ``torch.use_deterministic_algorithms(True)`` (set by ``seed_everything``).
+
+``specprefetch_model.json`` (format ``specprefetch-standin/2``) records the sha256 and size of every weight file
+under the directory (``weights``: relative path -> ``{"sha256", "bytes"}``); loading checks them, and that no
+other weight file is there, before transformers reads any weights, then requires every parameter to be filled
+from the checkpoint (nothing missing, unexpected or of another shape).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,11 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specprefetch.io import SpecPrefetchError
+from specprefetch.config import ConfigError
+from specprefetch.contracts import ContractError, member, read_doc, reraise_as
+from specprefetch.io import SpecPrefetchError, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
-STANDIN_FORMAT = "specprefetch-standin/1"
+# /2: ``weights`` records {relative path: {"sha256", "bytes"}} of every weight file; /1 recorded none.
+STANDIN_FORMAT = "specprefetch-standin/2"
 META_FILE = "specprefetch_model.json"
 PROJECTOR_FILE = "projector.safetensors"
 STANDIN_ARCHS = ("qwen3_vl_moe", "deepseek_vl2_standin")
@@ -43,8 +52,30 @@ SPATIAL_MERGE = 2   # Qwen3-VL merges 2x2 patches; DeepSeek-VL2 downsamples 2x2 
 TEMPORAL_PATCH = 2  # Qwen3-VL's temporal patch (an image is repeated over it)
 
 
+# Files whose bytes become weights: transformers reads safetensors (sharded: through the index) and, where
+# there is none, PyTorch pickles; any of them is listed, so an added one is noticed.
+WEIGHT_GLOBS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth")
+# Router gates of every supported arch: ``[n_experts, hidden_size]`` (``nn.Linear`` weight layout).
+_GATE_TENSOR = re.compile(r"(?:^|\.)(?:mlp|block_sparse_moe)\.gate\.weight$")
+# Checkpoint config keys (config.json; the text part of a multimodal one) of each model key of the config,
+# in transformers' precedence (Qwen3-VL-MoE saves num_experts as num_local_experts).
+CHECKPOINT_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("n_experts", ("num_local_experts", "num_experts", "n_routed_experts")),
+    ("top_k", ("num_experts_per_tok",)),
+    ("hidden_size", ("hidden_size",)),
+    ("num_hidden_layers", ("num_hidden_layers",)),
+    ("n_shared_experts", ("n_shared_experts",)),
+)
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_RERUN = "re-run pretrain-stand-in"
+
+
 class StandInError(SpecPrefetchError):
     """A stand-in cannot be built, saved or loaded; the message names the file or key."""
+
+
+class WeightsError(StandInError):
+    """A weight file is missing, corrupt, truncated, replaced or unlisted; the message names it."""
 
 
 @dataclass
@@ -331,51 +362,308 @@ def save_stand_in(stand_in: StandIn, out_dir: Path) -> None:
         model.save_pretrained(out_dir)
     stand_in.tokenizer.save_pretrained(out_dir)
     stand_in.image_processor.save_pretrained(out_dir)
-    (out_dir / META_FILE).write_text(json.dumps(stand_in.meta, indent=2, sort_keys=True) + "\n")
+    stand_in.meta["format"] = STANDIN_FORMAT
+    stand_in.meta["weights"] = record_weights(out_dir)
+    write_json_atomic(out_dir / META_FILE, stand_in.meta)
 
 
 def read_meta(model_dir: Path) -> dict[str, Any]:
+    """The stand-in's ``specprefetch_model.json``, checked: format, arch and the ``weights`` record."""
     path = Path(model_dir) / META_FILE
     if not path.is_file():
         raise StandInError(f"{path}: not found (is {model_dir} a stand-in saved by pretrain-stand-in?)")
-    try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise StandInError(f"{path}: not valid JSON ({exc.msg})") from None
-    if meta.get("format") != STANDIN_FORMAT or meta.get("arch") not in STANDIN_ARCHS:
-        raise StandInError(f"{path}: format {meta.get('format')!r} / arch {meta.get('arch')!r} is not a "
+    with reraise_as(StandInError):
+        meta = read_doc(path, None, "stand-in metadata")
+    fmt = meta.get("format")
+    if isinstance(fmt, str) and fmt.startswith("specprefetch-standin/") and fmt != STANDIN_FORMAT:
+        raise StandInError(f"{path}: format {fmt!r} is not the current {STANDIN_FORMAT!r} (older stand-ins record "
+                           f"no weight checksums); {_RERUN}")
+    if fmt != STANDIN_FORMAT or meta.get("arch") not in STANDIN_ARCHS:
+        raise StandInError(f"{path}: format {fmt!r} / arch {meta.get('arch')!r} is not a "
                            f"{STANDIN_FORMAT} stand-in of {', '.join(STANDIN_ARCHS)}")
+    check_weights_record(meta.get("weights"), path)
     return meta
 
 
-def load_stand_in(model_dir: Path, device: str | torch.device = "cpu") -> StandIn:
-    """Load a saved stand-in with transformers' own classes (safetensors), in eval mode on ``device``."""
-    from transformers import AutoTokenizer
+# ------------------------------------------------------------------------------------------ weight integrity
+def weight_files(model_dir: Path) -> list[str]:
+    """Every weight file (:data:`WEIGHT_GLOBS`) under ``model_dir``, subdirectories included, as sorted
+    relative POSIX paths."""
+    root = Path(model_dir)
+    found = {p.relative_to(root).as_posix() for pattern in WEIGHT_GLOBS for p in root.rglob(pattern)
+             if p.is_file() or p.is_symlink()}
+    return sorted(found)
 
+
+def record_weights(model_dir: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"sha256", "bytes"}}`` of every weight file under ``model_dir`` (streamed)."""
+    root = Path(model_dir)
+    return {rel: {"sha256": sha256_file(root / rel), "bytes": (root / rel).stat().st_size}
+            for rel in weight_files(root)}
+
+
+def is_plain_relpath(name: Any, root: Path) -> bool:
+    """A relative path that stays inside ``root`` (:func:`specprefetch.contracts.member` accepts it)."""
+    try:
+        member(root, name, "weights record")
+    except ContractError:
+        return False
+    return True
+
+
+def check_weights_record(weights: Any, meta_path: Path) -> None:
+    """The ``weights`` record is well formed: a non-empty object of plain relative paths to sha256 and size."""
+    if not isinstance(weights, dict) or not weights:
+        raise StandInError(f"{meta_path}: no 'weights' record (sha256 of every weight file); {_RERUN}")
+    for name, rec in weights.items():
+        if not is_plain_relpath(name, meta_path.parent):
+            raise StandInError(f"{meta_path}: weight file name {name!r} is not a plain relative path inside the "
+                               f"model directory (no '..', no absolute paths); {_RERUN}")
+        if (not isinstance(rec, dict) or not isinstance(rec.get("sha256"), str)
+                or not _SHA256.fullmatch(rec["sha256"]) or type(rec.get("bytes")) is not int or rec["bytes"] < 0):
+            raise StandInError(f"{meta_path}: weights[{name!r}] must be {{\"sha256\": 64 hex digits, \"bytes\": a "
+                               f"size}}, got {rec!r}; {_RERUN}")
+
+
+def verify_weights(model_dir: Path, weights: dict[str, dict[str, Any]], meta_path: Path) -> None:
+    """Every recorded weight file is there with its recorded size and sha256, and no other weight file is.
+
+    Runs before any weights are read: a flipped byte, a truncated, replaced, missing or added file is one line
+    naming it.
+    """
+    root = Path(model_dir)
+    check_weights_record(weights, meta_path)
+    extra = sorted(set(weight_files(root)) - set(weights))
+    if extra:
+        raise WeightsError(f"{root / extra[0]}: weight file not recorded in {meta_path} (unexpected or planted "
+                           f"weights{f'; {len(extra) - 1} more' if len(extra) > 1 else ''})")
+    for name, rec in sorted(weights.items()):
+        path = root / name
+        if not path.is_file():
+            raise WeightsError(f"{path}: weight file missing (recorded in {meta_path}); {_RERUN}")
+        try:
+            size = path.stat().st_size
+            same = size == rec["bytes"] and sha256_file(path) == rec["sha256"]
+        except OSError as exc:
+            raise WeightsError(f"{path}: unreadable ({exc.strerror or exc})") from None
+        if not same:
+            note = f"; {size} bytes where {rec['bytes']} were recorded" if size != rec["bytes"] else ""
+            raise WeightsError(f"{path}: sha256 does not match the one recorded in {meta_path} (corrupt or "
+                               f"replaced weights{note})")
+
+
+def verify_stand_in(model_dir: Path) -> dict[str, Any]:
+    """Check a stand-in directory's weights against its record without loading it (for code that reads its
+    safetensors directly); returns the metadata."""
     model_dir = Path(model_dir)
     meta = read_meta(model_dir)
+    verify_weights(model_dir, meta["weights"], model_dir / META_FILE)
+    return meta
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The tensor table of a safetensors file (``{name: {"dtype", "shape", "data_offsets"}}``), read from its
+    header only; a truncated or corrupt file is one line naming it (safetensors' own errors do not)."""
+    path = Path(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+            if n < 0 or n > size - 8:
+                raise WeightsError(f"{path}: truncated safetensors file ({size} bytes, "
+                                   f"{'no header' if n < 0 else f'its header alone is {n} bytes'})")
+            head = f.read(n)
+    except OSError as exc:
+        raise WeightsError(f"{path}: unreadable ({exc.strerror or exc})") from None
+    try:
+        table = json.loads(head)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise WeightsError(f"{path}: corrupt safetensors file (its header is not valid JSON)") from None
+    if not isinstance(table, dict):
+        raise WeightsError(f"{path}: corrupt safetensors file (its header is not a JSON object)")
+    end = 0
+    tensors: dict[str, Any] = {}
+    for name, t in table.items():
+        if name == "__metadata__":
+            continue
+        offs = t.get("data_offsets") if isinstance(t, dict) else None
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
+                or not 0 <= offs[0] <= offs[1] or not isinstance(t.get("shape"), list)):
+            raise WeightsError(f"{path}: corrupt safetensors file (bad header entry for tensor {name!r})")
+        end = max(end, offs[1])
+        tensors[name] = t
+    expected = 8 + n + end
+    if size < expected:
+        raise WeightsError(f"{path}: truncated safetensors file ({size} bytes, its header describes {expected})")
+    if size > expected:
+        raise WeightsError(f"{path}: corrupt safetensors file ({size} bytes, its header describes {expected})")
+    return tensors
+
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    with reraise_as(StandInError):
+        return read_doc(path, None, "checkpoint config")
+
+
+def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a checkpoint config (Qwen3-VL: text_config; DeepSeek-VL2: language_config)."""
+    for key in ("text_config", "language_config"):
+        if isinstance(cfg.get(key), dict):
+            return cfg[key]
+    return cfg
+
+
+def _checkpoint_value(text: dict[str, Any], names: tuple[str, ...]) -> tuple[str, Any] | None:
+    for name in names:
+        if text.get(name) is not None:
+            return name, text[name]
+    return None
+
+
+def check_checkpoint_config(config_path: Path, mcfg: dict[str, Any], model_name: str) -> None:
+    """The checkpoint's ``config.json`` agrees with the config's model entry (expert count, top-k, width, depth,
+    shared experts), checked before any weights are loaded: one line naming the file, both keys and values."""
+    text = _text_part(_read_config_json(config_path))
+    for key, names in CHECKPOINT_KEYS:
+        found = _checkpoint_value(text, names)
+        if found is None or (key not in mcfg and key != "n_shared_experts"):
+            continue
+        ck_name, ck_value = found
+        want = int(mcfg.get(key, 0) or 0)
+        try:
+            same = int(ck_value) == want
+        except (TypeError, ValueError):
+            raise StandInError(f"{config_path}: {ck_name}={ck_value!r} is not an integer") from None
+        if not same:
+            raise ConfigError(f"{config_path}: the checkpoint has {ck_name}={ck_value}, but config key "
+                              f"'models.{model_name}.{key}' is {want} (wrong checkpoint, or fix the config)")
+
+
+def check_weights_match_config(model_dir: Path, config_path: Path | None = None) -> None:
+    """Every safetensors file directly in ``model_dir`` is whole (see :func:`safetensors_header`), the shards
+    an index names exist, and the router gates' shapes ``[n_experts, hidden_size]`` agree with ``config.json``
+    (else transformers fails with "look at the above report" or silently re-initialises them)."""
+    model_dir = Path(model_dir)
+    config_path = config_path or model_dir / "config.json"
+    for index in sorted(model_dir.glob("*.safetensors.index.json")):
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            shards = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            raise WeightsError(f"{index}: corrupt safetensors index (not a JSON object with a weight_map)") from None
+        for shard in shards:
+            if not is_plain_relpath(shard, model_dir):
+                raise WeightsError(f"{index}: shard name {shard!r} is not a plain relative path inside {model_dir}")
+            if not (model_dir / shard).is_file():
+                raise WeightsError(f"{model_dir / shard}: weight shard missing (listed in {index})")
+    text = _text_part(_read_config_json(config_path)) if config_path.is_file() else {}
+    n_experts = _checkpoint_value(text, CHECKPOINT_KEYS[0][1])
+    hidden = text.get("hidden_size")
+    for path in sorted(model_dir.glob("*.safetensors")):
+        for name, t in safetensors_header(path).items():
+            shape = t["shape"]
+            if not _GATE_TENSOR.search(name) or len(shape) != 2:
+                continue
+            if n_experts is not None and shape[0] != n_experts[1]:
+                raise WeightsError(f"{path}: tensor {name} has {shape[0]} experts (shape {shape}), but "
+                                   f"{config_path} says {n_experts[0]}={n_experts[1]} (the weights and config.json "
+                                   "are from different models)")
+            if hidden is not None and shape[1] != hidden:
+                raise WeightsError(f"{path}: tensor {name} has hidden size {shape[1]} (shape {shape}), but "
+                                   f"{config_path} says hidden_size={hidden} (the weights and config.json are "
+                                   "from different models)")
+
+
+def _shape(v: Any) -> str:
+    return str(list(v)) if isinstance(v, (tuple, list, torch.Size)) else str(v)
+
+
+def _from_pretrained(cls: Any, where: Path) -> Any:
+    """``cls.from_pretrained(where)`` that must fill every parameter: a key missing, unexpected or of another
+    shape means the weights are corrupt or from another model than ``where/config.json`` (transformers would
+    re-initialise those parameters and go on, or fail with "look at the above report"); one line naming them.
+    Its load report is not printed: everything in it is in the error."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = cls.from_pretrained(where, dtype=torch.float32, output_loading_info=True,
+                                          ignore_mismatched_sizes=True)
+    finally:
+        hf_logging.set_verbosity(level)
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: str(m[0] if isinstance(m, tuple) else m))
+    if mismatched:
+        first = mismatched[0]
+        what = (f"{first[0]} is {_shape(first[1])} in the weights, {_shape(first[2])} by config.json"
+                if isinstance(first, tuple) and len(first) == 3 else str(first))
+        more = f" and {len(mismatched) - 1} more" if len(mismatched) > 1 else ""
+        raise WeightsError(f"{where}: tensor shapes of the weights do not match {where / 'config.json'} ({what}"
+                           f"{more}; the weights and config.json are from different models)")
+    for kind in ("missing_keys", "unexpected_keys"):
+        keys = sorted(str(k) for k in info.get(kind) or ())
+        if keys:
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            raise WeightsError(f"{where}: the weights do not fit the model of {where / 'config.json'} "
+                               f"({kind.replace('_', ' ')}: {', '.join(keys[:3])}{more}; corrupt or replaced weights)")
+    return model
+
+
+def _load_error(model_dir: Path, exc: BaseException) -> StandInError:
+    msg = (str(exc).strip().splitlines() or [""])[0]
+    return StandInError(f"cannot load stand-in from {model_dir}: {type(exc).__name__}: {msg}")
+
+
+def load_stand_in(model_dir: Path, device: str | torch.device = "cpu", mcfg: dict[str, Any] | None = None,
+                  model_name: str | None = None) -> StandIn:
+    """Load a saved stand-in with transformers' own classes (safetensors), in eval mode on ``device``.
+
+    Before any weights are read: the recorded sha256 of every weight file (and that no other is there), the
+    tokenizer files, and -- given the config's model entry ``mcfg`` -- the checkpoint's config.json against it.
+    """
+    from safetensors import SafetensorError
+
+    from specprefetch.data.tokenizer import load_tokenizer
+
+    model_dir = Path(model_dir)
+    meta = verify_stand_in(model_dir)
+    tokenizer = load_tokenizer(model_dir, hint=_RERUN)
+    special_token_ids(tokenizer, where=str(model_dir))
+    parts = [model_dir] if meta["arch"] == "qwen3_vl_moe" else [model_dir / "vision", model_dir / "language"]
+    for part in parts:
+        if not (part / "config.json").is_file():
+            raise StandInError(f"{part / 'config.json'}: missing; {_RERUN}")
+        check_weights_match_config(part)
+    if mcfg is not None:
+        check_checkpoint_config(parts[-1] / "config.json", mcfg, model_name or str(meta.get("model_name")))
+    try:
         if meta["arch"] == "qwen3_vl_moe":
             from transformers import Qwen3VLMoeForConditionalGeneration
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-            model: nn.Module = Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+            model: nn.Module = _from_pretrained(Qwen3VLMoeForConditionalGeneration, model_dir)
             image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
         else:
             from safetensors.torch import load_file
             from transformers import DeepseekV2ForCausalLM, SiglipVisionModel
             from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
-            vision = SiglipVisionModel.from_pretrained(model_dir / "vision", dtype=torch.float32)
-            language = DeepseekV2ForCausalLM.from_pretrained(model_dir / "language", dtype=torch.float32)
+            vision = _from_pretrained(SiglipVisionModel, model_dir / "vision")
+            language = _from_pretrained(DeepseekV2ForCausalLM, model_dir / "language")
             p = meta["projector"]
             projector = Projector(int(p["vision_dim"]), int(p["hidden"]), int(p["downsample"]))
-            projector.load_state_dict(load_file(str(model_dir / PROJECTOR_FILE)))
+            safetensors_header(model_dir / PROJECTOR_FILE)
+            try:
+                projector.load_state_dict(load_file(str(model_dir / PROJECTOR_FILE)))
+            except RuntimeError as exc:
+                raise WeightsError(f"{model_dir / PROJECTOR_FILE}: the weights do not fit the projector "
+                                   f"({(str(exc).splitlines() or [''])[0]})") from None
             model = DeepseekVL2StandIn(vision, projector, language, int(meta["special_token_ids"]["<image>"]))
             image_processor = SiglipImageProcessorPil.from_pretrained(model_dir)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise StandInError(f"cannot load stand-in from {model_dir}: {type(exc).__name__}: {exc}") from exc
-    special_token_ids(tokenizer, where=str(model_dir))
+    except SpecPrefetchError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
+        raise _load_error(model_dir, exc) from exc
     model.to(device).eval()
     return StandIn(model=model, tokenizer=tokenizer, image_processor=image_processor, meta=meta)

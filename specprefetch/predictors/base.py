@@ -18,7 +18,6 @@ on demand so adding a method never touches this file.
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -26,10 +25,10 @@ from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from specprefetch.contracts import load_safetensors, member, read_doc, require
 from specprefetch.io import SpecPrefetchError, atomic_path, sha256_file, write_json_atomic
 
 PREDICTOR_FORMAT = "specprefetch-predictor/1"
@@ -274,15 +273,13 @@ def read_meta(pred_dir: str | Path) -> dict[str, Any]:
     path = Path(pred_dir) / META_FILE
     if not path.is_file():
         raise PredictorError(f"{path}: missing; {pred_dir} is not a saved predictor")
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PredictorError(f"{path}: unreadable ({exc})") from None
-    if meta.get("format") != PREDICTOR_FORMAT:
-        raise PredictorError(f"{path}: format {meta.get('format')!r}, expected {PREDICTOR_FORMAT!r}")
-    for key in ("method", "dims", "weights"):
-        if key not in meta:
-            raise PredictorError(f"{path}: missing key {key!r}")
+    meta = read_doc(path, PREDICTOR_FORMAT, "predictor metadata", required=("method", "dims", "weights"))
+    require(meta, "method", str, str(path))
+    require(meta, "dims", dict, str(path))
+    weights = require(meta, "weights", dict, str(path))
+    require(weights, "file", str, f"{path} weights")
+    require(weights, "sha256", str, f"{path} weights")
+    member(Path(pred_dir), weights["file"], f"predictor metadata {META_FILE}")
     return meta
 
 
@@ -290,16 +287,13 @@ def load_predictor(pred_dir: str | Path, map_location: str | torch.device = "cpu
     """Rebuild a saved predictor from ``meta.json`` and load its weights (checked against their sha256)."""
     pred_dir = Path(pred_dir)
     meta = read_meta(pred_dir)
-    wpath = pred_dir / meta["weights"]["file"]
+    wpath = member(pred_dir, meta["weights"]["file"], f"predictor metadata {META_FILE}")
     if not wpath.is_file():
         raise PredictorError(f"{wpath}: missing (listed in {pred_dir / META_FILE})")
     digest = sha256_file(wpath)
     if digest != meta["weights"]["sha256"]:
         raise PredictorError(f"{wpath}: sha256 {digest[:12]}... does not match {META_FILE}: the file is corrupt")
-    try:
-        state = load_file(str(wpath), device=str(map_location))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise PredictorError(f"{wpath}: unreadable safetensors file ({exc})") from None
+    state = load_safetensors(wpath, "predictor weights", device=str(map_location))
     try:
         dims = PredictorDims.from_dict(meta["dims"])
     except TypeError as exc:

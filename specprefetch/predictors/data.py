@@ -105,7 +105,7 @@ def _shard_plan(reader: Any, batch_tokens: int) -> tuple[list[list[tuple[int, in
     plan: list[list[tuple[int, int]]] = []
     max_id = -1
     for entry in reader.manifest["shards"]:
-        path = Path(reader.dir) / entry["file"]
+        path = reader.path_of(entry)
         try:
             with safe_open(str(path), framework="pt") as st:
                 sidx = st.get_tensor("sample_index")

@@ -8,13 +8,13 @@ when there is one, the quantity (which selects its diff tolerance), and the exac
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specprefetch.contracts import read_doc, require
 from specprefetch.io import SpecPrefetchError, write_json_atomic
 
 TABLE_FORMAT = "specprefetch-table/1"
@@ -80,17 +80,12 @@ class TableDoc:
 def read_table_doc(path: str | Path) -> TableDoc:
     """Read a table JSON written by ``TableDoc.write``; anything else is an error naming the file."""
     path = Path(path)
-    if not path.is_file():
-        raise SpecPrefetchError(f"{path}: table JSON not found")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise SpecPrefetchError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(d, dict) or d.get("format") != TABLE_FORMAT:
-        raise SpecPrefetchError(f"{path}: not a table JSON (format {d.get('format') if isinstance(d, dict) else d!r},"
-                                f" expected {TABLE_FORMAT})")
-    cells = [Cell.from_json(c, str(path)) for c in d.get("cells", [])]
-    return TableDoc(name=d["name"], title=d.get("title", ""), profile=d.get("profile", ""), cells=cells,
+    d = read_doc(path, TABLE_FORMAT, "table JSON", required=("name",))
+    cells = d.get("cells", [])
+    if not isinstance(cells, list):
+        raise SpecPrefetchError(f"{path}: 'cells' must be a list")
+    return TableDoc(name=str(require(d, "name", str, str(path))), title=d.get("title", ""),
+                    profile=d.get("profile", ""), cells=[Cell.from_json(c, str(path)) for c in cells],
                     meta=d.get("meta", {}))
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from specprefetch.contracts import ContractError, read_csv
 from specprefetch.io import SpecPrefetchError, atomic_path
 from specprefetch.render.targets import RESULT_PATHS
 
@@ -157,11 +158,9 @@ def read_result_csv(path: str | Path, contract: str) -> pd.DataFrame:
         raise RenderInputError(f"{path}: file not found (the {contract} results, expected at "
                                f"{DEFAULT_PATHS[contract]} in a pipeline run)")
     try:
-        df = pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""])
-    except pd.errors.EmptyDataError:
-        raise RenderInputError(f"{path}: file is empty (no header)") from None
-    except (pd.errors.ParserError, UnicodeDecodeError) as exc:
-        raise RenderInputError(f"{path}: not a readable CSV: {exc}") from None
+        df = read_csv(path, (), f"{contract} results CSV", dtype=str, keep_default_na=False, na_values=[""])
+    except ContractError as exc:
+        raise RenderInputError(str(exc)) from None
     df.columns = [str(c).strip() for c in df.columns]
     cols = CONTRACTS[contract]
     missing = [c.name for c in cols if c.name not in df.columns]

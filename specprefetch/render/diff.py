@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
+from specprefetch.contracts import ContractError, read_doc
 from specprefetch.io import SpecPrefetchError
 from specprefetch.render.cells import TABLE_FORMAT, Cell, TableDoc, read_table_doc
 
@@ -115,9 +115,9 @@ class Tolerances:
         """From a YAML file (a config with render.tolerances, or a bare tolerances mapping) or a loaded config."""
         if path is not None:
             try:
-                raw = yaml.safe_load(Path(path).read_text())
-            except (OSError, yaml.YAMLError) as exc:
-                raise DiffError(f"{path}: cannot read tolerances: {exc}") from None
+                raw = read_doc(path, None, "tolerances file", kind="yaml")
+            except ContractError as exc:
+                raise DiffError(str(exc)) from None
             if isinstance(raw, Mapping) and "render" in raw:
                 raw = (raw.get("render") or {}).get("tolerances")
             elif isinstance(raw, Mapping) and "tolerances" in raw:
@@ -204,10 +204,8 @@ def collect_docs(path: Path | str) -> dict[str, TableDoc]:
     for f in files:
         if path.is_dir():
             try:
-                import json
-
-                head = json.loads(f.read_text())
-            except (ValueError, OSError):
+                head = read_doc(f, None, "JSON")
+            except ContractError:
                 continue
             if not isinstance(head, dict) or head.get("format") != TABLE_FORMAT:
                 continue  # comparison.json and other JSON files are not tables

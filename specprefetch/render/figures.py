@@ -69,7 +69,8 @@ def _theme() -> Any:
 
 
 def _display(cfg: Mapping[str, Any], model: str) -> str:
-    return model_display(cfg, model) if model in cfg["models"] else model
+    """A model's display name as plot text: a ``$`` in a config string must not start matplotlib's mathtext."""
+    return (model_display(cfg, model) if model in cfg["models"] else model).replace("$", r"\$")
 
 
 def save_figure(fig: Figure, out_base: Path | str, dpi: int = 300) -> tuple[Path, Path]:
@@ -387,7 +388,7 @@ def figure_recall_per_layer(per_layer: pd.DataFrame, cfg: Mapping[str, Any],
                                       quantity="recall", value=float(r.expert_recall) * 100.0,
                                       keys={"model": model_display(cfg, m), "method": method_label(meth),
                                             "layer": int(r.layer), "M": mk}))
-            ax.set_title(f"{model_display(cfg, m)}, $M=K={mk}$", loc="left")
+            ax.set_title(f"{_display(cfg, m)}, $M=K={mk}$", loc="left")
             ax.set_ylabel(f"R@{mk} (%)")
             ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         axes[-1, 0].set_xlabel("Target MoE layer $l+1$")

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from specprefetch.config import REPO_ROOT
+from specprefetch.contracts import ContractError, read_doc
 from specprefetch.io import SpecPrefetchError, write_text_atomic
 from specprefetch.render.cells import Cell, TableDoc, fmt_fixed, fmt_params
 
@@ -182,12 +183,10 @@ def parse_reported(raw: Mapping[str, Any], where: str = "paper_reported.yaml") -
 
 def load_reported(path: str | Path | None = None) -> Reported:
     path = Path(path or DEFAULT_REPORTED)
-    if not path.is_file():
-        raise ReportedError(f"{path}: reported-numbers file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ReportedError(f"{path}: not valid YAML: {exc}") from None
+        raw = read_doc(path, None, "reported-numbers file", kind="yaml")
+    except ContractError as exc:
+        raise ReportedError(str(exc)) from None
     return parse_reported(raw, str(path))
 
 

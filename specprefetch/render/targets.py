@@ -7,6 +7,7 @@ as missing) the file, instead of a renderer quietly writing an empty table.
 
 from __future__ import annotations
 
+import shlex
 import shutil
 from collections.abc import Mapping
 from typing import Any
@@ -57,8 +58,13 @@ def figure_inputs(figure: str) -> dict[str, str]:
 
 
 def input_flags(inputs: Mapping[str, Any]) -> str:
-    """``--recall results/recall/recall.csv ...`` for a rule's named inputs (the CLI's flag names)."""
-    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in inputs.items())
+    """``--recall results/recall/recall.csv ...`` for a rule's named inputs (the CLI's flag names), as shell words:
+    each flag and each path quoted on its own (the rules insert the result unquoted)."""
+    words: list[str] = []
+    for k, v in inputs.items():
+        words.append(f"--{k.replace('_', '-')}")
+        words.extend(map(str, v) if isinstance(v, (list, tuple)) else [str(v)])
+    return shlex.join(words)
 
 
 def table_files(cfg: Mapping[str, Any]) -> list[str]:

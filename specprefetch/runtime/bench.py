@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from specprefetch.contracts import ROUTING_FORMAT, save_tensor_tree
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance, write_json_atomic
 from specprefetch.runtime.session import Harness, RunResult
 
@@ -180,10 +181,9 @@ def bench_runtime(h: Harness, profile: dict[str, Any], model: str, platform: str
                 log.info("[%d/%d] %s r%d: %.2f tok/s", done, n_runs, cfg.key, r, res.tokens_per_s)
     write_runs_csv(out_csv, rows)
     if routing_out is not None:
-        with atomic_path(routing_out) as tmp:
-            torch.save({"format": "specprefetch-routing-record/1", "model": model, "platform": platform,
-                        "emulation_scale": h.scale, "capacity": h.capacity, "runs": routing,
-                        "provenance": provenance(config_fragment)}, tmp)
+        save_tensor_tree(routing_out, {"model": model, "platform": platform, "emulation_scale": h.scale,
+                                       "capacity": h.capacity, "runs": routing,
+                                       "provenance": provenance(config_fragment)}, ROUTING_FORMAT)
     return rows
 
 

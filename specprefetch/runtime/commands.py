@@ -6,10 +6,10 @@ and the accuracy check through lm-eval.
         --predictor specprefetch=P --out results/device/window/M
     specprefetch bench-runtime --config C --model M --model-dir D --store S --window results/device/window/M \\
         --workload-dir W --predictor specprefetch=P --predictor fate=F --out results/device/measured/M.csv \\
-        --routing-out results/device/measured/M.routing.pt [--device cuda]
+        --routing-out results/device/measured/M.routing.safetensors [--device cuda]
     specprefetch simulate --config C --model M --traces T... --predictor ... --out results/device/simulated/M.csv
     specprefetch validate-simulator --config C --model M --window results/device/window/M \\
-        --routing results/device/measured/M.routing.pt --out results/device/sim_validation/M.csv
+        --routing results/device/measured/M.routing.safetensors --out results/device/sim_validation/M.csv
     specprefetch collect-device-benchmarks --runs a.csv b.csv --external logs/*.csv --windows DIR... \\
         --validation V... --out-dir results/device
     specprefetch evaluate-offloaded --config C --model M --model-dir D --store S --predictor ... \\
@@ -19,13 +19,13 @@ and the accuracy check through lm-eval.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from specprefetch.cli import add_config_arg, load_args_config
+from specprefetch.contracts import ContractError, read_doc
 from specprefetch.io import SpecPrefetchError, seed_everything, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -57,13 +57,19 @@ def parse_predictors(items: list[str]) -> dict[str, Path]:
     return out
 
 
-def provider_factories(pred_dirs: dict[str, Path], spec: Any, device: str) -> dict[str, Callable[[], Any]]:
-    """Factories of priority providers: trained predictors from their directories; FATE also from the gates."""
-    from specprefetch.predictors.base import load_predictor
+def provider_factories(pred_dirs: dict[str, Path], spec: Any, device: str,
+                       model: str | None = None) -> dict[str, Callable[[], Any]]:
+    """Factories of priority providers: trained predictors from their directories; FATE also from the gates.
+
+    With ``model``, each predictor must have been trained for that model (its meta.json says so)."""
+    from specprefetch.predictors.base import load_predictor, read_meta
     from specprefetch.runtime.priority import PredictorPriority, fate_from_model
 
     out: dict[str, Callable[[], Any]] = {}
     for method, d in pred_dirs.items():
+        trained_for = read_meta(d).get("model")
+        if model is not None and trained_for != model:
+            raise SpecPrefetchError(f"{d}: predictor trained for model {trained_for!r}, not {model!r}")
         pred = load_predictor(d)
         if pred.dims.n_layers != spec.n_layers or pred.dims.n_experts != spec.n_experts:
             raise SpecPrefetchError(f"{d}: predictor for L={pred.dims.n_layers}, n={pred.dims.n_experts}; "
@@ -92,11 +98,13 @@ def _setup(args: argparse.Namespace, need_prompts: bool = True) -> dict[str, Any
     torch.use_deterministic_algorithms(False)  # inference only; keeps CUDA kernels available
     bundle = load_bundle(cfg, args.model, args.model_dir)
     store = ExpertStore(args.store)
+    if store.manifest.get("model") not in ("", None, args.model):
+        raise SpecPrefetchError(f"{args.store}: expert store of model {store.manifest['model']!r}, not {args.model!r}")
     prompts = []
     if need_prompts:
         wdir = args.workload_dir
         prompts = prompts_from_workload(bundle, wdir, int(s["n_prompts"]), int(s["max_prompt_tokens"]))
-    providers = provider_factories(parse_predictors(args.predictor), bundle.routing, accel)
+    providers = provider_factories(parse_predictors(args.predictor), bundle.routing, accel, args.model)
     return {"cfg": cfg, "s": s, "accel": accel, "platform": platform_label(s, accel), "bundle": bundle,
             "store": store, "prompts": prompts, "providers": providers}
 
@@ -117,12 +125,12 @@ def _window_profile(window: Path, model: str) -> dict[str, Any]:
     """``profile-window``'s profile.json for ``model`` (a clear error when missing, malformed or another model's)."""
     path = Path(window) / "profile.json"
     try:
-        profile = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise SpecPrefetchError(f"{path}: cannot read the window profile ({exc}); run profile-window first") from exc
-    if not isinstance(profile, dict) or profile.get("model") != model:
-        got = profile.get("model") if isinstance(profile, dict) else None
-        raise SpecPrefetchError(f"{path} is for model {got!r}, not {model!r}")
+        profile = read_doc(path, None, "window profile")
+    except ContractError as exc:
+        why = str(exc).removeprefix(f"{path}: ")
+        raise SpecPrefetchError(f"{path}: cannot read the window profile ({why}); run profile-window first") from None
+    if profile.get("model") != model:
+        raise SpecPrefetchError(f"{path} is for model {profile.get('model')!r}, not {model!r}")
     return profile
 
 
@@ -168,15 +176,20 @@ def _cmd_validate_simulator(args: argparse.Namespace) -> None:
     import torch
 
     from specprefetch.runtime.settings import device_settings
-    from specprefetch.runtime.simrun import summarize_validation, validate_simulator, write_validation_csv
+    from specprefetch.contracts import ROUTING_FORMAT, load_tensor_tree
+    from specprefetch.runtime.simrun import (
+        check_routing_record,
+        summarize_validation,
+        validate_simulator,
+        write_validation_csv,
+    )
 
     cfg = load_args_config(args)
     s = device_settings(cfg)
     torch.set_num_threads(int(s["threads"]))
     profile = _window_profile(args.window, args.model)
-    record = torch.load(args.routing, weights_only=False)
-    if record.get("format") != "specprefetch-routing-record/1":
-        raise SpecPrefetchError(f"{args.routing}: not a routing record of bench-runtime")
+    record = load_tensor_tree(args.routing, ROUTING_FORMAT, "routing record of bench-runtime")
+    check_routing_record(record, args.routing, args.model)
     val = validate_simulator(record, profile, s)
     summary = summarize_validation(val)
     log.info("simulator vs measured, mean |relative error|: %s",
@@ -200,8 +213,12 @@ def _cmd_simulate(args: argparse.Namespace) -> None:
     platforms: list[dict[str, Any]] = []
     arch = cfg["models"][args.model]["arch"]
     readers = [TraceReader(tdir) for tdir in args.traces]
+    for reader in readers:
+        if reader.manifest["model"] != args.model:
+            raise SpecPrefetchError(f"{reader.dir}: trace of model {reader.manifest['model']!r}, not {args.model!r}")
     spec_like = _TraceSpec(readers[0])
-    providers = provider_factories(parse_predictors(args.predictor), spec_like, "cpu") if args.predictor else {}
+    providers = (provider_factories(parse_predictors(args.predictor), spec_like, "cpu", args.model)
+                 if args.predictor else {})
     for platform in s["simulator"]["platforms"]:
         r, meta = simulate_platform(platform, args.model, arch, readers, providers, s, experiments_for(s, args.model))
         rows.extend(r)

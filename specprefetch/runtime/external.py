@@ -28,13 +28,13 @@ file with its name and line number. Merged rows get ``source = external:<file na
 from __future__ import annotations
 
 import csv
-import json
 import math
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from specprefetch.contracts import csv_rows, read_jsonl, reraise_as
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.bench import RUN_COLUMNS, write_runs_csv
 from specprefetch.runtime.constants import EXPERIMENTS, POLICIES, STORAGES
@@ -43,6 +43,7 @@ REQUIRED = ("platform", "model", "experiment", "policy", "storage", "m_max", "co
 OPTIONAL_INT = ("n_tokens", "hits", "misses", "prefetched", "wasted")
 OPTIONAL_FLOAT = ("ready_recall", "stall_ms")
 FREE_TEXT = ("device", "notes")
+TEXT = ("platform", "model", "experiment", "policy", "storage", *FREE_TEXT)  # must be strings in a JSONL log
 ALLOWED = set(REQUIRED) | set(OPTIONAL_INT) | set(OPTIONAL_FLOAT) | set(FREE_TEXT)
 RUN_KEY = ("platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat")
 _PLATFORM = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -106,6 +107,10 @@ def validate_row(raw: dict[str, Any], where: str) -> dict[str, Any]:
     for col in REQUIRED:
         if col not in raw or _empty(raw[col]):
             raise ExternalLogError(f"{where}: required column {col!r} is missing or empty")
+    for col, v in raw.items():
+        if isinstance(v, (dict, list)) or (col in TEXT and not _empty(v) and not isinstance(v, str)):
+            raise ExternalLogError(f"{where}: column {col!r}: {type(v).__name__} {v!r:.40}, expected "
+                                   f"{'text' if col in TEXT else 'a number or boolean'}")
     platform = str(raw["platform"]).strip()
     if not _PLATFORM.match(platform):
         raise ExternalLogError(f"{where}: column 'platform': {platform!r} must match [A-Za-z0-9._-]+")
@@ -155,38 +160,33 @@ def read_external_log(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _records(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
+    with reraise_as(ExternalLogError):  # the file boundary's one line, as this reader's error type
+        yield from _raw_records(path)
+
+
+def _raw_records(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
     if path.suffix == ".jsonl":
-        with open(path) as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ExternalLogError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
-                if not isinstance(obj, dict):
-                    raise ExternalLogError(f"{path}:{i}: a JSON object per line is expected")
-                yield f"{path}:{i}", obj
+        yield from read_jsonl(path, "external device log", skip_blank=True)
     elif path.suffix == ".csv":
-        with open(path, newline="") as f:
-            reader = csv.reader(f)
-            try:
-                header = [h.strip() for h in next(reader)]
-            except StopIteration:
-                raise ExternalLogError(f"{path}:1: empty file (a header line is required)") from None
-            unknown = [h for h in header if h not in ALLOWED]
-            if unknown:
-                raise ExternalLogError(f"{path}:1: unknown column {unknown[0]!r}")
-            missing = [c for c in REQUIRED if c not in header]
-            if missing:
-                raise ExternalLogError(f"{path}:1: header lacks required column {missing[0]!r}")
-            for cells in reader:
-                line = reader.line_num
-                if not any(c.strip() for c in cells):
-                    continue
-                if len(cells) != len(header):
-                    raise ExternalLogError(f"{path}:{line}: {len(cells)} cells, the header has {len(header)}")
-                yield f"{path}:{line}", dict(zip(header, cells))
+        rows = csv_rows(path, "external device log")
+        first = next(rows, None)
+        if first is None:
+            raise ExternalLogError(f"{path}:1: empty file (a header line is required)")
+        header = [h.strip() for h in first[1]]
+        unknown = [h for h in header if h not in ALLOWED]
+        if unknown:
+            raise ExternalLogError(f"{path}:1: unknown column {unknown[0]!r}")
+        missing = [c for c in REQUIRED if c not in header]
+        if missing:
+            raise ExternalLogError(f"{path}:1: header lacks required column {missing[0]!r}")
+        if len(set(header)) != len(header):
+            raise ExternalLogError(f"{path}:1: a column is named twice in the header")
+        for line, cells in rows:
+            if not any(c.strip() for c in cells):
+                continue
+            if len(cells) != len(header):
+                raise ExternalLogError(f"{path}:{line}: {len(cells)} cells, the header has {len(header)}")
+            yield f"{path}:{line}", dict(zip(header, cells, strict=True))
     else:
         raise ExternalLogError(f"{path}: unsupported log format {path.suffix!r} (use .csv or .jsonl)")
 
@@ -194,12 +194,18 @@ def _records(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
 def read_runs_csv(path: str | Path) -> list[dict[str, Any]]:
     """A runs CSV written by bench/simulate; checks the contract's columns are there."""
     path = Path(path)
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in RUN_COLUMNS[:17] if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ExternalLogError(f"{path}:1: missing column {missing[0]!r}")
-        return list(reader)
+    rows = csv_rows(path, "runs CSV")
+    first = next(rows, None)
+    header = first[1] if first else []
+    missing = [c for c in RUN_COLUMNS[:17] if c not in header]
+    if missing:
+        raise ExternalLogError(f"{path}:1: missing column {missing[0]!r}")
+    out = []
+    for line, cells in rows:
+        if len(cells) != len(header):
+            raise ExternalLogError(f"{path}:{line}: {len(cells)} cells, the header has {len(header)} (truncated?)")
+        out.append(dict(zip(header, cells, strict=True)))
+    return out
 
 
 def collect_device_benchmarks(runs: Sequence[str | Path], external: Sequence[str | Path],
@@ -226,16 +232,19 @@ def concat_csvs(paths: Sequence[str | Path], out_csv: str | Path) -> int:
     header: list[str] | None = None
     body: list[list[str]] = []
     for p in paths:
-        with open(p, newline="") as f:
-            r = csv.reader(f)
-            h = next(r, None)
-            if h is None:
-                raise ExternalLogError(f"{p}:1: empty CSV")
-            if header is None:
-                header = h
-            elif h != header:
-                raise ExternalLogError(f"{p}:1: header {h} differs from {header}")
-            body.extend(r)
+        rows = csv_rows(p, "CSV")
+        first = next(rows, None)
+        if first is None:
+            raise ExternalLogError(f"{p}:1: empty CSV")
+        h = first[1]
+        if header is None:
+            header = h
+        elif h != header:
+            raise ExternalLogError(f"{p}:1: header {h} differs from {header}")
+        for line, cells in rows:
+            if len(cells) != len(h):
+                raise ExternalLogError(f"{p}:{line}: {len(cells)} cells, the header has {len(h)} (truncated?)")
+            body.append(cells)
     from specprefetch.io import atomic_path
 
     with atomic_path(out_csv) as tmp:

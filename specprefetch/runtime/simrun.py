@@ -35,7 +35,8 @@ from specprefetch.runtime.simulator import (
     sequences_from_trace,
     simulate,
 )
-from specprefetch.runtime.storage import EMULATED, StorageProfile, make_profile
+from specprefetch.contracts import EMULATED
+from specprefetch.runtime.storage import StorageProfile, make_profile
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,44 @@ def sequences_from_record(events: Sequence[dict[str, Any]], n_layers: int) -> li
             seqs.append(SimSequence([]))
         seqs[-1].steps.append(st)
     return seqs
+
+
+def check_routing_record(record: Any, path: str | Path, model: str) -> None:
+    """A routing record must be ``model``'s and hold, per run, its row and well-formed events (one line if not)."""
+    import torch
+
+    from specprefetch.contracts import ContractError, require
+
+    where = str(path)
+    if not isinstance(record, dict):
+        raise ContractError(f"{where}: not a routing record (top level is {type(record).__name__})")
+    if require(record, "model", str, where) != model:
+        raise ContractError(f"{where}: routing record of model {record['model']!r}, not {model!r}")
+    runs = require(record, "runs", dict, where)
+    if not runs:
+        raise ContractError(f"{where}: routing record holds no runs")
+    for key, run in runs.items():
+        at = f"{where} run {key!r}"
+        if not isinstance(run, dict):
+            raise ContractError(f"{at}: must be a mapping")
+        row = require(run, "row", dict, at)
+        for col in ("storage", "policy"):
+            require(row, col, str, f"{at} row")
+        for col in ("m_max", "capacity_experts", *METRICS):
+            require(row, col, (int, float), f"{at} row")
+        require(row, "compute_opt", (bool, int), f"{at} row")
+        for i, ev in enumerate(require(run, "events", list, at)):
+            if not isinstance(ev, dict):
+                raise ContractError(f"{at} event {i}: must be a mapping")
+            require(ev, "step", int, f"{at} event {i}")
+            require(ev, "layer", int, f"{at} event {i}")
+            if not isinstance(ev.get("topk"), torch.Tensor) or ev["topk"].dim() != 2:
+                raise ContractError(f"{at} event {i}: 'topk' must be a 2-D tensor (tokens x K)")
+            if ev.get("scores") is not None and not isinstance(ev["scores"], torch.Tensor):
+                raise ContractError(f"{at} event {i}: 'scores' must be a tensor or null")
+        for i, rep in enumerate(run.get("repeats") or []):
+            for col in METRICS:
+                require(rep, col, (int, float), f"{at} repeat {i}")
 
 
 def validate_simulator(record: dict[str, Any], profile: dict[str, Any], settings: dict[str, Any]) -> list[dict[str, Any]]:

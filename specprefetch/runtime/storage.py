@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.constants import DEFAULT_PROFILES, EMULATED, PAPER_EXPERT_MB, STORAGES
+from specprefetch.runtime.constants import DEFAULT_PROFILES, PAPER_EXPERT_MB, STORAGES
 from specprefetch.runtime.store import ExpertStore
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,6 @@ sibling of each gate, a transformers 5 fused-experts module (``gate_up_proj (E, 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from specprefetch.contracts import member, read_doc, require
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -236,25 +236,27 @@ class ExpertStore:
         path = self.root / MANIFEST
         if not path.is_file():
             raise StoreError(f"{path}: missing; {self.root} is not a complete expert store")
-        try:
-            self.manifest: dict[str, Any] = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise StoreError(f"{path}: unreadable ({exc})") from None
-        if self.manifest.get("format") != STORE_FORMAT:
-            raise StoreError(f"{path}: format {self.manifest.get('format')!r}, expected {STORE_FORMAT!r}")
+        self.manifest: dict[str, Any] = read_doc(path, STORE_FORMAT, "expert-store manifest")
         m = self.manifest
         try:
             self.layout = RecordLayout(int(m["hidden_size"]), int(m["intermediate_size"]),
                                        _dtype_from_name(m["dtype"], str(path)), int(m["alignment"]))
             self.n_layers = int(m["n_layers"])
             self.n_experts = int(m["n_experts"])
+            record_bytes = int(m["record_bytes"])
             layers = m["layers"]
         except KeyError as exc:
             raise StoreError(f"{path}: missing key {exc.args[0]!r}") from None
-        if self.layout.record_bytes != int(m["record_bytes"]) or len(layers) != self.n_layers:
+        except (TypeError, ValueError) as exc:
+            raise StoreError(f"{path}: a non-numeric size or count ({exc})") from None
+        if not isinstance(layers, list) or not all(isinstance(layer, dict) for layer in layers):
+            raise StoreError(f"{path}: layers must be a list of mappings")
+        if self.layout.record_bytes != record_bytes or len(layers) != self.n_layers:
             raise StoreError(f"{path}: record_bytes/layers inconsistent with the shapes it declares")
-        self.files = [self.root / layer["file"] for layer in layers]
-        self.record_sha = [list(layer["records"]) for layer in layers]
+        self.files = [member(self.root, layer.get("file"), f"expert-store manifest {MANIFEST}") for layer in layers]
+        self.record_sha = [list(require(layer, "records", list, f"{path} layer {i}")) for i, layer in enumerate(layers)]
+        if any(len(r) != self.n_experts for r in self.record_sha):
+            raise StoreError(f"{path}: every layer must list one sha256 per expert ({self.n_experts})")
         for f, layer in zip(self.files, layers):
             if not f.is_file():
                 raise StoreError(f"{f}: missing (listed in {path})")

@@ -38,7 +38,8 @@ from torch import nn
 
 from specprefetch.io import atomic_path, provenance, write_json_atomic
 from specprefetch.runtime.session import Harness, RunResult
-from specprefetch.runtime.storage import EMULATED, ExpertReader, make_profile, measure_transfer_ms
+from specprefetch.contracts import EMULATED
+from specprefetch.runtime.storage import ExpertReader, make_profile, measure_transfer_ms
 from specprefetch.runtime.timeline import LayerEvent
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,6 @@ so an interrupted extraction leaves neither a manifest nor an output directory.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import shutil
@@ -33,6 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file as st_save_file
 
+from specprefetch.contracts import load_safetensors, member, read_doc, require
 from specprefetch.io import SpecPrefetchError, atomic_path, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -293,10 +293,7 @@ class TraceReader:
         path = self.dir / MANIFEST
         if not path.is_file():
             raise TraceError(f"{path}: missing; {self.dir} is not a complete trace (extraction did not finish)")
-        try:
-            self.manifest: dict[str, Any] = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise TraceError(f"{path}: unreadable manifest ({exc})") from None
+        self.manifest: dict[str, Any] = read_doc(path, None, "trace manifest")
         self._check_manifest(path)
         self._dtypes = {k: dtype_from_name(v, (*INPUT_DTYPES, "int32", "int64", "uint8"), f"{path} dtypes.{k}")
                         for k, v in self.manifest["dtypes"].items()}
@@ -309,10 +306,31 @@ class TraceReader:
         missing = [k for k in need if k not in m]
         if missing:
             raise TraceError(f"{path}: missing keys {', '.join(missing)}")
+        for key in ("n_moe_layers", "n_tokens", "n_samples", "n_experts", "top_k", "hidden_size"):
+            require(m, key, int, str(path))
+        require(m, "moe_layers", list, str(path))
+        require(m, "dtypes", dict, str(path))
+        if not all(isinstance(v, str) for v in m["dtypes"].values()):
+            raise TraceError(f"{path}: dtypes must map tensor names to dtype names")
+        if "routers" in m and not isinstance(m["routers"], dict):
+            raise TraceError(f"{path}: routers must be a mapping")
+        if not isinstance(m["shards"], list) or not all(isinstance(e, dict) for e in m["shards"]):
+            raise TraceError(f"{path}: shards must be a list of mappings")
+        for j, entry in enumerate([*m["shards"], *([m["routers"]] if "routers" in m else [])]):
+            where = f"{path} shards[{j}]" if j < len(m["shards"]) else f"{path} routers"
+            require(entry, "file", str, where)
+            require(entry, "bytes", int, where)
+            if j < len(m["shards"]):
+                require(entry, "n_tokens", int, where)
+            self.path_of(entry)  # a plain file name inside the trace directory, or an error
         if sum(s["n_tokens"] for s in m["shards"]) != m["n_tokens"]:
             raise TraceError(f"{path}: shard token counts do not add up to n_tokens={m['n_tokens']}")
         if len(m["moe_layers"]) != m["n_moe_layers"]:
             raise TraceError(f"{path}: moe_layers has {len(m['moe_layers'])} entries, n_moe_layers={m['n_moe_layers']}")
+
+    def path_of(self, entry: Mapping[str, Any]) -> Path:
+        """The file a manifest entry names, confined to the trace directory (no ``..``, no absolute path)."""
+        return member(self.dir, entry.get("file"), f"trace manifest {MANIFEST}")
 
     # -- manifest shortcuts
     @property
@@ -340,9 +358,20 @@ class TraceReader:
         return [s["file"] for s in self.manifest["shards"]]
 
     # -- file access
+    def check_sizes(self) -> None:
+        """Every listed file exists with the manifest's size (cheap: catches missing and truncated files; the
+        sha256 of each is checked when it is read, or by ``verify_all``)."""
+        for entry in [*self.manifest["shards"], *([self.manifest["routers"]] if "routers" in self.manifest else [])]:
+            path = self.path_of(entry)
+            if not path.is_file():
+                raise TraceError(f"{path}: missing (listed in {self.dir / MANIFEST})")
+            if path.stat().st_size != entry["bytes"]:
+                raise TraceError(f"{path}: {path.stat().st_size} bytes, manifest says {entry['bytes']} "
+                                 "(truncated or rewritten)")
+
     def _read_checked(self, entry: Mapping[str, Any], verify: bool) -> dict[str, torch.Tensor]:
         """Load one file listed in the manifest; size, then (optionally) sha256, then parse."""
-        path = self.dir / entry["file"]
+        path = self.path_of(entry)
         if not path.is_file():
             raise TraceError(f"{path}: missing (listed in {self.dir / MANIFEST})")
         size = path.stat().st_size
@@ -362,7 +391,7 @@ class TraceReader:
 
     def _check_shard(self, entry: Mapping[str, Any], t: Mapping[str, torch.Tensor]) -> None:
         """Shapes and dtypes must match the manifest: a mismatched shard would silently misalign layers."""
-        path = self.dir / entry["file"]
+        path = self.path_of(entry)
         n = int(entry["n_tokens"])
         expect: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for i in range(self.n_layers):
@@ -394,13 +423,11 @@ class TraceReader:
     def routers(self, verify: bool | None = None) -> dict[str, torch.Tensor]:
         """All gate parameters stored with the trace (``gate.{i}.weight`` etc.), float32."""
         entry = self.manifest.get("routers") or {"file": ROUTERS}
-        path = self.dir / entry["file"]
+        path = self.path_of(entry)
         if "sha256" in entry:
             tensors = self._read_checked(entry, self.verify if verify is None else verify)
         else:
-            if not path.is_file():
-                raise TraceError(f"{path}: missing")
-            tensors = st_load_file(str(path))
+            tensors = load_safetensors(path, "the trace's router weights")
         for i in range(self.n_layers):
             w = tensors.get(f"gate.{i}.weight")
             if w is None or tuple(w.shape) != (self.n_experts, self.hidden_size):
@@ -554,7 +581,7 @@ def gather_traces(shard_dirs: Sequence[str | Path], out_dir: str | Path) -> dict
         readers[0].verify_all()
         with atomic_path(out_dir, is_dir=True) as tmp:
             for entry in first["shards"]:
-                _link_or_copy(readers[0].dir / entry["file"], tmp / entry["file"])
+                _link_or_copy(readers[0].path_of(entry), tmp / entry["file"])
             _link_or_copy(readers[0].dir / ROUTERS, tmp / ROUTERS)
             manifest = {k: v for k, v in first.items() if k != "scatter"}
             manifest["provenance"] = {**first.get("provenance", {}), "gathered_from": gathered_from}
@@ -605,6 +632,7 @@ def trace_stats(trace_dir: str | Path) -> dict[str, Any]:
     """
     reader = TraceReader(trace_dir, verify=False)
     m = reader.manifest
+    reader.check_sizes()
     n_tok = max(reader.n_tokens, 1)
     if "n_image_tokens" in m and "n_prompt_tokens" in m:
         n_img, n_prompt = int(m["n_image_tokens"]), int(m["n_prompt_tokens"])

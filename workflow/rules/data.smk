@@ -14,7 +14,8 @@ rule prepare_workload:
     resources:
         **P.resources("prepare_workload"),
     shell:
-        "{SP} prepare-workload --config {CFG} --workload {wildcards.workload} --out {output} 2>&1 | tee {log}"
+        "{SP} prepare-workload --config {CFG:q} --workload {wildcards.workload:q} --out {output:q} "
+        "2>&1 | tee {log:q}"
 
 
 rule prepare_corpus:
@@ -30,7 +31,7 @@ rule prepare_corpus:
     resources:
         **P.resources("prepare_corpus"),
     shell:
-        "{SP} prepare-corpus --config {CFG} --out {output} 2>&1 | tee {log}"
+        "{SP} prepare-corpus --config {CFG:q} --out {output:q} 2>&1 | tee {log:q}"
 
 
 rule check_disjoint:
@@ -48,7 +49,8 @@ rule check_disjoint:
     resources:
         **P.resources("check_disjoint"),
     shell:
-        "{SP} check-disjoint --corpus {input.corpus} --workloads {input.workloads} --out {output} 2>&1 | tee {log}"
+        "{SP} check-disjoint --corpus {input.corpus:q} --workloads {input.workloads:q} --out {output:q} "
+        "2>&1 | tee {log:q}"
 
 
 rule train_tokenizer:
@@ -66,4 +68,4 @@ rule train_tokenizer:
     resources:
         **P.resources("train_tokenizer"),
     shell:
-        "{SP} train-tokenizer --config {CFG} --corpus {input} --out {output} 2>&1 | tee {log}"
+        "{SP} train-tokenizer --config {CFG:q} --corpus {input:q} --out {output:q} 2>&1 | tee {log:q}"

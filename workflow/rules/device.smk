@@ -20,7 +20,8 @@ def dev_predictor_dirs(model):
 
 
 def dev_predictor_args(model):
-    return " ".join(f"--predictor {m}={P.predictor_dir(model, m)}" for m in DEV_PREDICTORS)
+    """``--predictor METHOD=DIR ...``, already quoted shell words (the rules insert it as {params.predictors})."""
+    return P.predictor_args(model, DEV_PREDICTORS)
 
 
 localrules:
@@ -44,8 +45,8 @@ rule build_expert_store:
     resources:
         **P.resources("build_expert_store"),
     shell:
-        "{SP} build-expert-store --config {CFG} --model {wildcards.model} {params.model_dir} --out {output} "
-        "2>&1 | tee {log}"
+        "{SP} build-expert-store --config {CFG:q} --model {wildcards.model:q} {params.model_dir} --out {output:q} "
+        "2>&1 | tee {log:q}"
 
 
 rule profile_window:
@@ -69,8 +70,9 @@ rule profile_window:
     resources:
         **P.resources("profile_window"),
     shell:
-        "{SP} profile-window --config {CFG} --model {wildcards.model} {params.model_dir} --store {input.store} "
-        "--workload-dir {input.workload} {params.predictors} --out {output} 2>&1 | tee {log}"
+        "{SP} profile-window --config {CFG:q} --model {wildcards.model:q} {params.model_dir} "
+        "--store {input.store:q} --workload-dir {input.workload:q} {params.predictors} --out {output:q} "
+        "2>&1 | tee {log:q}"
 
 
 rule bench_runtime:
@@ -83,7 +85,7 @@ rule bench_runtime:
         predictors=lambda w: dev_predictor_dirs(w.model),
     output:
         runs="results/device/measured/{model}.csv",
-        routing="results/device/measured/{model}.routing.pt",
+        routing="results/device/measured/{model}.routing.safetensors",
     params:
         cfg=lambda w: P.hash_of("device", model=w.model),
         model_dir=lambda w: P.model_dir_arg(w.model),
@@ -96,9 +98,9 @@ rule bench_runtime:
     resources:
         **P.resources("bench_runtime"),
     shell:
-        "{SP} bench-runtime --config {CFG} --model {wildcards.model} {params.model_dir} --store {input.store} "
-        "--window {input.window} --workload-dir {input.workload} {params.predictors} --out {output.runs} "
-        "--routing-out {output.routing} 2>&1 | tee {log}"
+        "{SP} bench-runtime --config {CFG:q} --model {wildcards.model:q} {params.model_dir} "
+        "--store {input.store:q} --window {input.window:q} --workload-dir {input.workload:q} {params.predictors} "
+        "--out {output.runs:q} --routing-out {output.routing:q} 2>&1 | tee {log:q}"
 
 
 rule simulate_device:
@@ -119,15 +121,15 @@ rule simulate_device:
     resources:
         **P.resources("simulate_device"),
     shell:
-        "{SP} simulate --config {CFG} --model {wildcards.model} --traces {input.traces} {params.predictors} "
-        "--out {output} 2>&1 | tee {log}"
+        "{SP} simulate --config {CFG:q} --model {wildcards.model:q} --traces {input.traces:q} {params.predictors} "
+        "--out {output:q} 2>&1 | tee {log:q}"
 
 
 rule validate_simulator:
     """Replay of every measured run in the simulator on this machine's profile: error per metric."""
     input:
         window="results/device/window/{model}",
-        routing="results/device/measured/{model}.routing.pt",
+        routing="results/device/measured/{model}.routing.safetensors",
     output:
         "results/device/sim_validation/{model}.csv",
     params:
@@ -140,8 +142,8 @@ rule validate_simulator:
     resources:
         **P.resources("validate_simulator"),
     shell:
-        "{SP} validate-simulator --config {CFG} --model {wildcards.model} --window {input.window} "
-        "--routing {input.routing} --out {output} 2>&1 | tee {log}"
+        "{SP} validate-simulator --config {CFG:q} --model {wildcards.model:q} --window {input.window:q} "
+        "--routing {input.routing:q} --out {output:q} 2>&1 | tee {log:q}"
 
 
 rule evaluate_offloaded:
@@ -165,8 +167,9 @@ rule evaluate_offloaded:
     resources:
         **P.resources("evaluate_offloaded"),
     shell:
-        "{SP} evaluate-offloaded --config {CFG} --model {wildcards.model} {params.model_dir} --store {input.store} "
-        "{params.predictors} --tasks-dir results/workloads --out {output} 2>&1 | tee {log}"
+        "{SP} evaluate-offloaded --config {CFG:q} --model {wildcards.model:q} {params.model_dir} "
+        "--store {input.store:q} {params.predictors} --tasks-dir results/workloads --out {output:q} "
+        "2>&1 | tee {log:q}"
 
 
 rule collect_device_benchmarks:
@@ -192,5 +195,6 @@ rule collect_device_benchmarks:
         mem_mb=1000,
         runtime=5,
     shell:
-        "{SP} collect-device-benchmarks --runs {input.measured} {input.simulated} --external {input.external} "
-        "--windows {input.windows} --validation {input.validation} --out-dir results/device 2>&1 | tee {log}"
+        "{SP} collect-device-benchmarks --runs {input.measured:q} {input.simulated:q} "
+        "--external {input.external:q} --windows {input.windows:q} --validation {input.validation:q} "
+        "--out-dir results/device 2>&1 | tee {log:q}"

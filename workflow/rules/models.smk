@@ -17,6 +17,6 @@ rule pretrain_stand_in:
     resources:
         **P.resources("pretrain_stand_in"),
     shell:
-        "export OMP_NUM_THREADS={threads}; "
-        "{SP} pretrain-stand-in --config {CFG} --model {wildcards.model} --corpus {input.corpus} "
-        "--tokenizer {input.tokenizer} --out {output} 2>&1 | tee {log}"
+        "export OMP_NUM_THREADS={threads:q}; "
+        "{SP} pretrain-stand-in --config {CFG:q} --model {wildcards.model:q} --corpus {input.corpus:q} "
+        "--tokenizer {input.tokenizer:q} --out {output:q} 2>&1 | tee {log:q}"

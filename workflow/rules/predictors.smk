@@ -11,7 +11,9 @@ rule train_predictor:
     params:
         cfg=lambda w: P.hash_of("predictors", model=w.model),
         model_dir=lambda w: P.model_dir_arg(w.model),
-        traces=lambda w, input: f"--traces {input.traces}" if "traces" in input.keys() else "",
+        # shell words, quoted by P.traces_arg / P.model_dir_arg / P.train_command (inserted unquoted below)
+        traces=lambda w, input: P.traces_arg(input.traces) if "traces" in input.keys() else "",
+        # predictors.training.launcher (e.g. torchrun) is a command by design, inserted as shell words: trusted text
         run=P.train_command(sys.executable),
     log:
         "logs/train_predictor/{model}/{method}.log",
@@ -21,9 +23,9 @@ rule train_predictor:
     resources:
         **P.resources("train_predictor"),
     shell:
-        "export OMP_NUM_THREADS={threads}; "
-        "{params.run} train-predictor --config {CFG} --model {wildcards.model} --method {wildcards.method} "
-        "{params.traces} --corpus {input.corpus} {params.model_dir} --out {output} 2>&1 | tee {log}"
+        "export OMP_NUM_THREADS={threads:q}; "
+        "{params.run} train-predictor --config {CFG:q} --model {wildcards.model:q} --method {wildcards.method:q} "
+        "{params.traces} --corpus {input.corpus:q} {params.model_dir} --out {output:q} 2>&1 | tee {log:q}"
 
 
 rule evaluate_recall:
@@ -34,7 +36,7 @@ rule evaluate_recall:
         "results/recall/{model}/{workload}/{shard}.csv",
     params:
         cfg=lambda w: P.hash_of("recall", model=w.model),
-        predictors=lambda w: " ".join(f"--predictor {m}={P.predictor_dir(w.model, m)}" for m in P.methods),
+        predictors=lambda w: P.predictor_args(w.model, P.methods),  # quoted shell words
     log:
         "logs/evaluate_recall/{model}/{workload}/{shard}.log",
     benchmark:
@@ -43,8 +45,8 @@ rule evaluate_recall:
     resources:
         **P.resources("evaluate_recall"),
     shell:
-        "{SP} evaluate-recall --config {CFG} --model {wildcards.model} --workload {wildcards.workload} "
-        "--traces {input.traces} {params.predictors} --out {output} 2>&1 | tee {log}"
+        "{SP} evaluate-recall --config {CFG:q} --model {wildcards.model:q} --workload {wildcards.workload:q} "
+        "--traces {input.traces:q} {params.predictors} --out {output:q} 2>&1 | tee {log:q}"
 
 
 rule gather_recall:
@@ -62,7 +64,7 @@ rule gather_recall:
         mem_mb=1000,
         runtime=5,
     shell:
-        "{SP} gather-recall --out {output.recall} {input} 2>&1 | tee {log}"
+        "{SP} gather-recall --out {output.recall:q} {input:q} 2>&1 | tee {log:q}"
 
 
 rule gather_params:
@@ -79,4 +81,4 @@ rule gather_params:
         mem_mb=1000,
         runtime=5,
     shell:
-        "{SP} gather-params --out {output} {input} 2>&1 | tee {log}"
+        "{SP} gather-params --out {output:q} {input:q} 2>&1 | tee {log:q}"

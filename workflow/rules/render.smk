@@ -31,6 +31,8 @@ rule archive_results:
         list(RT.RESULT_PATHS.values()),
     output:
         list(RT.archive_files(P.cfg).values()),
+    params:
+        out_dir=f"{RENDER_DIR}/{RT.ARCHIVE_SUBDIR}",
     log:
         "logs/archive_results/archive.log",
     benchmark:
@@ -40,7 +42,7 @@ rule archive_results:
         mem_mb=1000,
         runtime=5,
     shell:
-        "{SP} archive-results --out-dir {RENDER_DIR}/{RT.ARCHIVE_SUBDIR} {input} 2>&1 | tee {log}"
+        "{SP} archive-results --out-dir {params.out_dir:q} {input:q} 2>&1 | tee {log:q}"
 
 
 rule render_table:
@@ -57,7 +59,7 @@ rule render_table:
         json=f"{RENDER_DIR}/{{table}}.json",
     params:
         cfg=RENDER_HASH,
-        inputs=lambda w, input: RT.input_flags(dict(input.items())),
+        inputs=lambda w, input: RT.input_flags(dict(input.items())),  # quoted shell words
     log:
         "logs/render_table/{table}.log",
     benchmark:
@@ -67,8 +69,8 @@ rule render_table:
         mem_mb=1000,
         runtime=5,
     shell:
-        "{SP} render-tables --config {CFG} --table {wildcards.table} {params.inputs} --out-dir {RENDER_DIR} "
-        "2>&1 | tee {log}"
+        "{SP} render-tables --config {CFG:q} --table {wildcards.table:q} {params.inputs} "
+        "--out-dir {RENDER_DIR:q} 2>&1 | tee {log:q}"
 
 
 rule render_figure:
@@ -86,7 +88,7 @@ rule render_figure:
         json=f"{RENDER_DIR}/figures/{{figure}}.json",
     params:
         cfg=RENDER_HASH,
-        inputs=lambda w, input: RT.input_flags(dict(input.items())),
+        inputs=lambda w, input: RT.input_flags(dict(input.items())),  # quoted shell words
     log:
         "logs/render_figure/{figure}.log",
     benchmark:
@@ -97,8 +99,8 @@ rule render_figure:
         runtime=5,
     shell:
         "export MPLBACKEND=Agg; "
-        "{SP} render-figures --config {CFG} --figure {wildcards.figure} {params.inputs} "
-        "--out-dir {RENDER_DIR}/figures 2>&1 | tee {log}"
+        "{SP} render-figures --config {CFG:q} --figure {wildcards.figure:q} {params.inputs} "
+        "--out-dir {RENDER_DIR:q}/figures 2>&1 | tee {log:q}"
 
 
 rule compare_with_paper:
@@ -127,8 +129,8 @@ rule compare_with_paper:
         mem_mb=1000,
         runtime=5,
     shell:
-        "{SP} compare-paper --config {CFG} --tables {input.tables} --figures {input.figures} "
-        "--reported {input.reported} --out-dir {RENDER_DIR} 2>&1 | tee {log}"
+        "{SP} compare-paper --config {CFG:q} --tables {input.tables:q} --figures {input.figures:q} "
+        "--reported {input.reported:q} --out-dir {RENDER_DIR:q} 2>&1 | tee {log:q}"
 
 
 rule write_preview:
@@ -149,7 +151,8 @@ rule write_preview:
         mem_mb=500,
         runtime=5,
     shell:
-        "{SP} compile-preview --config {CFG} --dir {RENDER_DIR} --tex {output} --tex-only 2>&1 | tee {log}"
+        "{SP} compile-preview --config {CFG:q} --dir {RENDER_DIR:q} --tex {output:q} --tex-only "
+        "2>&1 | tee {log:q}"
 
 
 rule compile_preview:
@@ -168,5 +171,5 @@ rule compile_preview:
         mem_mb=1000,
         runtime=10,
     shell:
-        "{SP} compile-preview --config {CFG} --dir {RENDER_DIR} --tex {input.tex} --out {output} --pdf-only "
-        "2>&1 | tee {log}"
+        "{SP} compile-preview --config {CFG:q} --dir {RENDER_DIR:q} --tex {input.tex:q} --out {output:q} "
+        "--pdf-only 2>&1 | tee {log:q}"

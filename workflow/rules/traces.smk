@@ -29,10 +29,10 @@ rule extract_traces:
     resources:
         **P.resources("extract_traces"),
     shell:
-        "export OMP_NUM_THREADS={threads}; "
-        "{SP} extract-traces --config {CFG} --model {wildcards.model} {params.model_dir} "
-        "--workload-dir {input.workload} --shard {wildcards.shard}/{params.n} --threads {threads} --out {output} "
-        "2>&1 | tee {log}"
+        "export OMP_NUM_THREADS={threads:q}; "
+        "{SP} extract-traces --config {CFG:q} --model {wildcards.model:q} {params.model_dir} "
+        "--workload-dir {input.workload:q} --shard {wildcards.shard:q}/{params.n:q} --threads {threads:q} "
+        "--out {output:q} 2>&1 | tee {log:q}"
 
 
 rule gather_traces:
@@ -49,4 +49,4 @@ rule gather_traces:
         mem_mb=2000,
         runtime=30,
     shell:
-        "{SP} gather-traces {input} --out {output} 2>&1 | tee {log}"
+        "{SP} gather-traces {input:q} --out {output:q} 2>&1 | tee {log:q}"

@@ -1,0 +1,342 @@
+"""The one boundary every file the pipeline reads goes through.
+
+Each reader turns the ways a file can be bad — missing, a directory, unreadable, binary, not UTF-8, not parseable,
+the wrong document, a missing key, a name that escapes its directory — into one ``SpecPrefetchError`` line
+``file[:line]: what is wrong``, which the CLI prints and exits 2 on. Nothing here unpickles: tensors are read
+from safetensors only (``load_safetensors``, ``load_tensor_tree``).
+
+Documents: ``read_text`` → ``read_doc`` (JSON or YAML, duplicate keys rejected, format string and required keys
+checked); tables: ``read_csv`` (pandas) and ``csv_rows`` (the csv module, with line numbers); lines: ``read_jsonl``;
+names inside manifests: ``member``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from specprefetch.io import SpecPrefetchError, atomic_path
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import torch
+
+# CSV fields of our artefacts are short; a log with a multi-megabyte cell is malformed, and the csv module's default
+# limit (128 KiB) raises a bare ``_csv.Error`` mid-read. Raised once here, reported as one line by csv_rows.
+CSV_FIELD_LIMIT = 1 << 20
+csv.field_size_limit(CSV_FIELD_LIMIT)
+
+
+# Vocabularies of the device stage: the runtime, its config section, runs.csv and the external-log schema.
+POLICIES = ("off", "pred0", "specprefetch", "naive", "fate", "resident")
+PREDICTING = ("pred0", "specprefetch", "naive", "fate")
+STORAGES = ("nvme_cold", "nvme", "ufs", "slow_ufs", "sdcard", "ram")
+EMULATED = ("nvme", "ufs", "slow_ufs", "sdcard")
+EXPERIMENTS = ("main", "matched", "sweep", "storage", "component")
+SIM_PLATFORMS = ("snapdragon_8_elite",)  # the simulator's platform profiles (runtime.platforms.PLATFORMS)
+
+# Format strings of artefacts that have no package of their own to hold them.
+ROUTING_FORMAT = "specprefetch-routing-record/2"  # bench-runtime's per-run routing (safetensors tensor tree)
+
+
+class ContractError(SpecPrefetchError):
+    """A file does not hold what its reader expects; the message names the file (and line)."""
+
+
+@contextlib.contextmanager
+def reraise_as(error: type[SpecPrefetchError]) -> Iterator[None]:
+    """Inside the block, a ContractError becomes ``error`` (same one line): a reader keeps its own error type."""
+    try:
+        yield
+    except ContractError as exc:
+        if isinstance(exc, error):
+            raise
+        raise error(str(exc)) from None
+
+
+# ------------------------------------------------------------------------------------------------ raw text
+def _os_reason(exc: OSError) -> str:
+    return exc.strerror or exc.__class__.__name__
+
+
+def read_bytes(path: str | os.PathLike, what: str) -> bytes:
+    path = Path(path)
+    if not path.exists():
+        raise ContractError(f"{path}: {what} not found")
+    if path.is_dir():
+        raise ContractError(f"{path}: is a directory, expected {what}")
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ContractError(f"{path}: cannot read {what} ({_os_reason(exc)})") from None
+
+
+def decode_text(data: bytes, where: str, what: str) -> str:
+    """UTF-8 (a leading byte-order mark is accepted and dropped); binary content is named as such."""
+    if b"\x00" in data:
+        raise ContractError(f"{where}: binary file, expected {what} (UTF-8 text)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ContractError(f"{where}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+                            f"{what} must be UTF-8") from None
+
+
+def read_text(path: str | os.PathLike, what: str) -> str:
+    return decode_text(read_bytes(path, what), str(path), what)
+
+
+# ------------------------------------------------------------------------------------------------ documents
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key == "<<":  # merge keys may repeat by design
+            continue
+        try:
+            first = seen.setdefault(key, key_node.start_mark.line + 1)
+        except TypeError:  # unhashable key: let SafeLoader report it
+            continue
+        if first != key_node.start_mark.line + 1:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first on line {first})", key_node.start_mark)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ContractError(f"{where}{line}: not valid YAML ({problem})") from None
+
+
+def _unique_pairs(where: str):
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                raise ContractError(f"{where}: duplicate key {k!r}")
+            out[k] = v
+        return out
+
+    return hook
+
+
+def parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs(where))
+    except json.JSONDecodeError as exc:
+        raise ContractError(f"{where}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise ContractError(f"{where}: JSON nested too deeply") from None
+
+
+def read_doc(path: str | os.PathLike, fmt: str | None, what: str, required: Sequence[str] = (),
+             kind: str | None = None) -> dict[str, Any]:
+    """A JSON or YAML mapping (``kind`` from the suffix unless given), checked before any value is used.
+
+    ``fmt``: the required value of its ``format`` key (None: no format key). ``required``: keys it must have.
+    """
+    path = Path(path)
+    kind = kind or ("yaml" if path.suffix in (".yaml", ".yml") else "json")
+    text = read_text(path, what)
+    doc = parse_yaml(text, str(path)) if kind == "yaml" else parse_json(text, str(path))
+    if not isinstance(doc, dict):
+        raise ContractError(f"{path}: {what} must be a mapping, got {type(doc).__name__}")
+    if fmt is not None and doc.get("format") != fmt:
+        raise ContractError(f"{path}: format {doc.get('format')!r}, expected {fmt!r} ({what})")
+    missing = [k for k in required if k not in doc]
+    if missing:
+        raise ContractError(f"{path}: {what} lacks required key {missing[0]!r}")
+    return doc
+
+
+def require(mapping: Mapping[str, Any], key: str, types: type | tuple[type, ...], where: str) -> Any:
+    """``mapping[key]`` of the given type(s) (bool is not an int here), or one line naming the key."""
+    if key not in mapping:
+        raise ContractError(f"{where}: missing key {key!r}")
+    value = mapping[key]
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        names = " or ".join(t.__name__ for t in types)
+        raise ContractError(f"{where}: key {key!r} must be {names}, got {type(value).__name__} {value!r:.60}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------ lines, tables
+def read_jsonl(path: str | os.PathLike, what: str, skip_blank: bool = False) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield (``file:line``, object) for each line; a line that is not one JSON object is an error."""
+    path = Path(path)
+    text = read_text(path, what)
+    for i, line in enumerate(text.splitlines(), 1):
+        where = f"{path}:{i}"
+        if not line.strip():
+            if skip_blank:
+                continue
+            raise ContractError(f"{where}: empty line (one JSON object per line expected)")
+        try:
+            obj = json.loads(line, object_pairs_hook=_unique_pairs(where))
+        except json.JSONDecodeError as exc:
+            raise ContractError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(obj, dict):
+            raise ContractError(f"{where}: a JSON object per line is expected, got {type(obj).__name__}")
+        yield where, obj
+
+
+def csv_rows(path: str | os.PathLike, what: str) -> Iterator[tuple[int, list[str]]]:
+    """Yield (line number, cells) of a CSV file; decoding, quoting and field-size errors are one line."""
+    path = Path(path)
+    text = read_text(path, what)
+    reader = csv.reader(text.splitlines())
+    last = 0
+    try:
+        for cells in reader:
+            yield reader.line_num, cells
+            last = reader.line_num
+    except csv.Error as exc:
+        raise ContractError(f"{path}:{last + 1}: malformed CSV ({exc})") from None
+
+
+def read_csv(path: str | os.PathLike, columns: Sequence[str], what: str, **kwargs: Any) -> pd.DataFrame:
+    """A pandas frame with at least ``columns``; an empty, truncated or malformed file is one line."""
+    import io
+
+    import pandas as pd
+
+    path = Path(path)
+    text = read_text(path, what)
+    if not text.strip():
+        raise ContractError(f"{path}: empty file, expected {what}")
+    try:
+        df = pd.read_csv(io.StringIO(text), **kwargs)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, ValueError, csv.Error) as exc:
+        raise ContractError(f"{path}: malformed CSV ({str(exc).splitlines()[0]})") from None
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise ContractError(f"{path}:1: {what} lacks column {missing[0]!r}")
+    return df
+
+
+# ------------------------------------------------------------------------------------------------ names
+def member(root: str | os.PathLike, name: Any, what: str) -> Path:
+    """``root / name`` for a plain file name listed in a manifest; anything that could leave ``root`` is refused.
+
+    Accepted: one relative path component or a few (``vision/model.safetensors``), none of them ``..``, no
+    absolute path, no backslash, no NUL; and the resolved path must stay inside ``root`` (no symlink escape).
+    """
+    root = Path(root)
+    if not isinstance(name, str) or not name:
+        raise ContractError(f"{root}: {what} names file {name!r}; a non-empty file name is required")
+    parts = name.split("/")
+    if ("\\" in name or "\x00" in name or any(p in ("", ".", "..") for p in parts)
+            or PurePosixPath(name).is_absolute()):
+        raise ContractError(f"{root}: {what} names {name!r}; only file names inside {root} are accepted")
+    path = root / name
+    try:
+        inside = path.resolve().is_relative_to(root.resolve())
+    except OSError:
+        inside = False
+    if not inside:
+        raise ContractError(f"{root}: {what} names {name!r}, which resolves outside {root}")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ tensors
+def load_safetensors(path: str | os.PathLike, what: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise ContractError(f"{path}: {what} not found" if not path.is_dir() else f"{path}: is a directory, "
+                            f"expected {what}")
+    try:
+        return load_file(str(path), device=device)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise ContractError(f"{path}: unreadable safetensors file, expected {what} "
+                            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+
+
+_TENSOR = "__tensor__"
+
+
+def save_tensor_tree(path: str | os.PathLike, tree: Any, fmt: str) -> None:
+    """Write a nested structure of dicts, lists, scalars and tensors as one safetensors file (atomically).
+
+    The structure is JSON in the header's metadata with each tensor replaced by a reference; the tensors are the
+    file's entries. The safe counterpart of ``torch.save`` for records that the pipeline reads back.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+
+    def strip(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            key = f"t{len(tensors)}"
+            tensors[key] = obj.detach().cpu().contiguous()
+            return {_TENSOR: key}
+        if isinstance(obj, dict):
+            if _TENSOR in obj:
+                raise ValueError(f"key {_TENSOR!r} is reserved in a tensor tree")
+            return {str(k): strip(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [strip(v) for v in obj]
+        return obj
+
+    meta = json.dumps({"format": fmt, "tree": strip(tree)}, default=str, separators=(",", ":"))
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"tree": meta})
+
+
+def load_tensor_tree(path: str | os.PathLike, fmt: str, what: str) -> Any:
+    """Read what ``save_tensor_tree`` wrote; the format string and every tensor reference are checked."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ContractError(f"{path}: {what} not found" if not path.is_dir() else f"{path}: is a directory, "
+                            f"expected {what}")
+    try:
+        with safe_open(str(path), framework="pt") as st:
+            raw = (st.metadata() or {}).get("tree")
+            tensors = {k: st.get_tensor(k) for k in st.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise ContractError(f"{path}: unreadable safetensors file, expected {what} ({exc})") from None
+    if raw is None:
+        raise ContractError(f"{path}: no record structure in its metadata; not a {what}")
+    doc = parse_json(raw, f"{path} (metadata)")
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        got = doc.get("format") if isinstance(doc, dict) else None
+        raise ContractError(f"{path}: format {got!r}, expected {fmt!r} ({what})")
+
+    def fill(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            if set(obj) == {_TENSOR}:
+                if obj[_TENSOR] not in tensors:
+                    raise ContractError(f"{path}: refers to tensor {obj[_TENSOR]!r}, which it does not hold")
+                return tensors[obj[_TENSOR]]
+            return {k: fill(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [fill(v) for v in obj]
+        return obj
+
+    return fill(doc["tree"])
