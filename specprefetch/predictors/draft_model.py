@@ -12,7 +12,6 @@ the vocabulary map to one extra "unknown" row.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from specprefetch.contracts import member, read_doc, require, reraise_as
 from specprefetch.predictors.base import (
     Batch,
     Predictor,
@@ -148,11 +148,10 @@ def _embedding_keys(folder: Path) -> list[tuple[str, Path]]:
     """(key, file) of every ``*embed_tokens.weight`` tensor in ``folder``'s safetensors files."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError) as exc:
-            raise PredictorError(f"{index}: unreadable weight map ({exc})") from None
-        return [(k, folder / f) for k, f in weight_map.items() if k.endswith("embed_tokens.weight")]
+        with reraise_as(PredictorError):
+            weight_map = require(read_doc(index, None, "safetensors index"), "weight_map", dict, str(index))
+            return [(k, member(folder, f, "safetensors index")) for k, f in weight_map.items()
+                    if k.endswith("embed_tokens.weight")]
     out: list[tuple[str, Path]] = []
     for f in sorted(folder.glob("*.safetensors")):
         try:
