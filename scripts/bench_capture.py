@@ -34,8 +34,8 @@ import torch
 
 from specprefetch.config import REPO_ROOT, load_config
 from specprefetch.models import discover_routing
-from specprefetch.models.standins import SPECIAL_TOKENS
 from specprefetch.models.capture import RouterCapture
+from specprefetch.models.standins import SPECIAL_TOKENS
 from specprefetch.traces.extract import GateOutputs, route_captured, traced_forward
 from specprefetch.traces.store import INPUT_DTYPES, LOGITS_DTYPES, TraceReader, TraceWriter, dtype_from_name
 
@@ -194,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         results.append(res)
         print(f"{name:>20}: traced/plain = {res['ratio_median']:.3f} (IQR {res['ratio_q1']:.3f}-{res['ratio_q3']:.3f}, "
               f"{res['repeats']} pairs, plain {res['median_plain_s'] * 1e3:.1f} ms for {res['tokens_per_forward']} "
-              f"tokens; CPU-time ratio {res['ratio_cpu_time_median']:.3f}; hooks only {res['ratio_hooks_only_median']:.3f}, recompute+cast "
-              f"{100 * res['route_share_of_plain']:.1f}% of plain CPU time, {100 * res['route_recompute_topk_share_of_plain']:.1f}% "
+              f"tokens; CPU-time ratio {res['ratio_cpu_time_median']:.3f}; "
+              f"hooks only {res['ratio_hooks_only_median']:.3f}, recompute+cast "
+              f"{100 * res['route_share_of_plain']:.1f}% of plain CPU time, "
+              f"{100 * res['route_recompute_topk_share_of_plain']:.1f}% "
               f"if the top-K were recomputed); bytes/token/layer {res['bytes_per_token_per_layer']}, bytes/token "
               f"{res['bytes_per_token_analytic']} analytic, {res['bytes_per_token_on_disk']:.1f} on disk "
               f"({res['n_moe_layers']} MoE layers)", flush=True)

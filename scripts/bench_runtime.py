@@ -93,11 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         print("CUDA requested but not available", file=sys.stderr)
         return 2
 
-    from specprefetch.runtime.commands import provider_factories, parse_predictors
+    from specprefetch.config import section_defaults
     from specprefetch.runtime.decode import Prompt, greedy_generate, prompts_from_workload
+    from specprefetch.runtime.priority import provider_factories
     from specprefetch.runtime.session import Harness
-    from specprefetch.runtime.settings import DEVICE_DEFAULTS, _merge
     from specprefetch.runtime.store import ExpertStore, build_expert_store
+    from specprefetch.stages.common import parse_predictor_args
 
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_runtime_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -132,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         torch.cuda.empty_cache()
 
-    settings = _merge(DEVICE_DEFAULTS, {"charge": args.charge, "io_workers": 4, "max_new_tokens": args.tokens,
+    settings = section_defaults("device", {"charge": args.charge, "io_workers": 4, "max_new_tokens": args.tokens,
                                         "cache": {"capacity_fraction": args.capacity_fraction}})
-    providers = provider_factories(parse_predictors(args.predictor), spec, args.device)
+    providers = provider_factories(parse_predictor_args(args.predictor), spec, args.device)
     policies = [p for p in args.policies.split(",") if p != "specprefetch" or "specprefetch" in providers]
     if "pred0" in policies and "specprefetch" not in providers:
         providers["specprefetch"] = providers["fate"]  # PRED0 then runs FATE's prediction path

@@ -8,7 +8,8 @@ from typing import Any
 
 
 def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], Any], list[str]]:
-    """Return a module ``__getattr__`` that imports ``exports[name]`` (a module path) on first access, and ``__all__``."""
+    """Return a module ``__getattr__`` that imports ``exports[name]`` (a module path) on first access,
+    and ``__all__``."""
 
     def __getattr__(name: str) -> Any:
         if name not in exports:

@@ -1,39 +1,19 @@
 """Command-line interface: one subcommand per pipeline stage, so any stage runs by hand.
 
-Each library package contributes its subcommands through a ``commands`` module with a
-``register(subparsers)`` function; every subcommand takes ``--config`` (a profile YAML, validated)
-and writes its outputs atomically.
+Each stage (:mod:`specprefetch.stages`, one per ``workflow/rules/*.smk``) contributes its subcommands through
+``register(subparsers)``; every subcommand takes ``--config`` (a profile YAML, validated) where it needs one
+and writes its outputs atomically. The CLI imports the stages; nothing below it imports the CLI.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
-from pathlib import Path
-from typing import Any
 
 from specprefetch.io import SpecPrefetchError
-
-COMMAND_MODULES = (
-    "specprefetch.data.commands",
-    "specprefetch.models.commands",
-    "specprefetch.traces.commands",
-    "specprefetch.predictors.commands",
-    "specprefetch.runtime.commands",
-    "specprefetch.render.commands",
-)
-
-
-def add_config_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, type=Path, help="profile YAML (e.g. config/config.yaml)")
-
-
-def load_args_config(args: argparse.Namespace) -> dict[str, Any]:
-    from specprefetch.config import load_config
-
-    return load_config(args.config)
+from specprefetch.stages import data, device, models, predictors, render, traces
+from specprefetch.stages.common import add_config_arg, load_args_config
 
 
 def _cmd_validate_config(args: argparse.Namespace) -> None:
@@ -49,14 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate-config", help="validate a profile YAML against the schema and semantics")
     add_config_arg(p)
     p.set_defaults(func=_cmd_validate_config)
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # that stage is not part of this build
-                continue
-            raise
-        module.register(sub)
+    for stage in (data, models, traces, predictors, device, render):
+        stage.register(sub)
     return parser
 
 

@@ -7,12 +7,14 @@ cross-field rules that a JSON schema cannot express are checked here. Every erro
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from pathlib import Path
 from typing import Any
 
+import yaml
 
-from specprefetch.contracts import EXPERIMENTS, POLICIES, SIM_PLATFORMS, STORAGES
+from specprefetch.contracts import EXPERIMENTS, SIM_PLATFORMS
 from specprefetch.io import SpecPrefetchError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -36,66 +38,13 @@ class ConfigError(SpecPrefetchError):
     """The config is invalid; the message names the offending key."""
 
 
-PAPER_EXPERT_MB = 1.94
-# Emulated storage: sustained read bandwidth (MB/s) and per-request latency (ms) of phone-class devices.
-DEFAULT_PROFILES: dict[str, dict[str, float]] = {
-    "nvme": {"bandwidth_mbps": 3500.0, "latency_ms": 0.08},
-    "ufs": {"bandwidth_mbps": 1700.0, "latency_ms": 0.15},
-    "slow_ufs": {"bandwidth_mbps": 750.0, "latency_ms": 0.30},
-    "sdcard": {"bandwidth_mbps": 90.0, "latency_ms": 1.00},
-}
-
-DEVICE_DEFAULTS: dict[str, Any] = {
-    "platform": None,              # label in runs.csv; None: "local-cpu" / "local-cuda"
-    "accelerator": "cpu",          # cpu, cuda or auto
-    "models": None,                # None: every model of the profile
-    "workload": None,              # prompts for decoding; None: the profile's first workload
-    "n_prompts": 4,
-    "max_prompt_tokens": 128,
-    "max_new_tokens": 32,
-    "repeats": 3,
-    "threads": 1,                  # torch intra-op threads of the measured process
-    "io_workers": 4,
-    "io_retries": 2,
-    "cache": {"capacity_experts": None, "capacity_fraction": 0.125},
-    "reference_storage": "nvme_cold",
-    "slow_storage": "slow_ufs",
-    "storages": ["nvme_cold", "nvme", "ufs", "slow_ufs", "sdcard"],
-    "storage_profiles": copy.deepcopy(DEFAULT_PROFILES),
-    "cold_each_read": True,
-    "charge": "calibrated",        # real, paper or calibrated (see runtime.storage)
-    "paper_expert_mb": 1.94,
-    "calibrate_ratio": 8.0,        # calibrated: profiled window / emulated-NVMe transfer (paper: M_max = 8)
-    "m_max": "auto",               # auto: from the profiled window, or an integer
-    "sweep_m_max": [1, 2, 4, 6, 8, 12, 16],
-    "experiments": list(EXPERIMENTS),
-    "model_experiments": {},       # model -> its own experiments (e.g. only "main" for a model no table shows)
-    "main_policies": ["off", "pred0", "specprefetch", "naive", "fate", "resident"],
-    "matched_policies": ["off", "naive", "specprefetch", "fate"],
-    "window": {"n_prompts": 2, "demand_m": [2, 4, 8], "transfer_samples": 64},
-    "simulator": {"platforms": ["snapdragon_8_elite"], "workloads": None, "max_samples": 16},
-    "accuracy": {"policies": ["off", "pred0", "specprefetch", "naive", "fate", "resident"], "limit": 8,
-                 "tasks": None, "max_gen_toks": 32},
-    "external_logs": [],
-}
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for k, v in (over or {}).items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
 def device_settings(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The profile's ``device`` section over the defaults, checked (errors name the key)."""
-    d = _merge(DEVICE_DEFAULTS, cfg.get("device") or {})
-    unknown = set(d) - set(DEVICE_DEFAULTS)
-    if unknown:
-        raise ConfigError(f"invalid config key 'device.{sorted(unknown)[0]}': unknown key")
+    """The ``device`` section, resolved: the schema's defaults are in (``validate_config``), ``models`` and
+    ``workload`` name the profile's when left null, and the cross-field rules hold (errors name the key).
+
+    Resolving is idempotent, so a job that validates the resolved config the Snakefile wrote gets the same section.
+    """
+    d = cfg["device"]
     if d["workload"] is None:
         d["workload"] = next(iter(cfg["workloads"]))
     elif d["workload"] not in cfg["workloads"]:
@@ -105,37 +54,13 @@ def device_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     for m in d["models"]:
         if m not in cfg["models"]:
             raise ConfigError(f"invalid config key 'device.models': {m!r} is not a model of the profile")
-    for key in ("reference_storage", "slow_storage"):
-        if d[key] not in STORAGES:
-            raise ConfigError(f"invalid config key 'device.{key}': {d[key]!r} (one of {', '.join(STORAGES)})")
-    for s in d["storages"]:
-        if s not in STORAGES:
-            raise ConfigError(f"invalid config key 'device.storages': {s!r} (one of {', '.join(STORAGES)})")
-    for e in d["experiments"]:
-        if e not in EXPERIMENTS:
-            raise ConfigError(f"invalid config key 'device.experiments': {e!r} ({', '.join(EXPERIMENTS)})")
     for m, exps in d["model_experiments"].items():
         if m not in d["models"]:
             raise ConfigError(f"invalid config key 'device.model_experiments.{m}': not one of device.models")
         for e in exps:
             if e not in EXPERIMENTS:
                 raise ConfigError(f"invalid config key 'device.model_experiments.{m}': {e!r} "
-                                        f"({', '.join(EXPERIMENTS)})")
-    for key in ("main_policies", "matched_policies"):
-        for p in d[key]:
-            if p not in POLICIES:
-                raise ConfigError(f"invalid config key 'device.{key}': {p!r} ({', '.join(POLICIES)})")
-    if d["m_max"] != "auto" and (not isinstance(d["m_max"], int) or d["m_max"] < 0):
-        raise ConfigError(f"invalid config key 'device.m_max': {d['m_max']!r} (auto or an integer >= 0)")
-    if d["charge"] not in ("real", "paper", "calibrated"):
-        raise ConfigError(f"invalid config key 'device.charge': {d['charge']!r} (real, paper or calibrated)")
-    if d["accelerator"] not in ("cpu", "cuda", "auto"):
-        raise ConfigError(f"invalid config key 'device.accelerator': {d['accelerator']!r}")
-    for key in ("n_prompts", "max_new_tokens", "repeats", "threads", "io_workers"):
-        if not isinstance(d[key], int) or d[key] < 1:
-            raise ConfigError(f"invalid config key 'device.{key}': {d[key]!r} (an integer >= 1)")
-    if d["max_new_tokens"] < 2:
-        raise ConfigError("invalid config key 'device.max_new_tokens': decoding throughput needs >= 2 tokens")
+                                  f"({', '.join(EXPERIMENTS)})")
     sim = d["simulator"]
     for w in sim["workloads"] or []:
         if w not in cfg["workloads"]:
@@ -154,7 +79,7 @@ def device_settings(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def cache_experts(cache: dict[str, Any], total_experts: int) -> int:
     """The cache capacity in experts: ``capacity_experts``, or ``capacity_fraction`` of all routed experts."""
-    return int(cache.get("capacity_experts") or round(float(cache.get("capacity_fraction", 0.125)) * total_experts))
+    return int(cache["capacity_experts"] or round(float(cache["capacity_fraction"]) * total_experts))
 
 
 def _schema_error(exc: Exception) -> ConfigError:
@@ -180,17 +105,50 @@ def _schema_error(exc: Exception) -> ConfigError:
 
 
 def validate_config(cfg: dict[str, Any], base_dir: Path | None = None) -> dict[str, Any]:
-    """Validate ``cfg`` in place (schema, then semantics) and return it. Raises ConfigError."""
+    """Validate ``cfg`` in place and return it, resolved: the schema (which fills in every default it declares),
+    then the semantics (which also resolves the device section). Raises ConfigError naming the key.
+
+    After this, code reads ``cfg[...]`` directly: every optional key has its value, from the file or the schema.
+    """
     if not isinstance(cfg, dict) or not cfg:
         raise ConfigError("invalid config: empty or not a mapping (pass --configfile config/config.yaml)")
-    from snakemake.utils import validate
-
-    try:
-        validate(cfg, str(SCHEMA_PATH), set_default=False)
-    except Exception as exc:  # snakemake wraps jsonschema's error in a WorkflowError
-        raise _schema_error(exc) from None
+    _check_with_defaults(cfg, _schema())
     check_semantics(cfg, base_dir or REPO_ROOT)
     return cfg
+
+
+def section_defaults(name: str, value: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``value`` (default: empty) validated against the schema's ``$defs/<name>`` with its defaults filled in:
+    a section as a job sees it, for code and tests that build one without a whole config (e.g. ``device``)."""
+    schema = _schema()
+    out = copy.deepcopy(value) if value is not None else {}
+    _check_with_defaults(out, {"$defs": schema["$defs"], "$ref": f"#/$defs/{name}"})
+    return out
+
+
+@functools.cache
+def _schema() -> dict[str, Any]:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def _check_with_defaults(instance: Any, schema: dict[str, Any]) -> None:
+    """jsonschema validation that also sets each absent property's ``default`` (a copy) before descending, so
+    nested sections get theirs: the standard extension of the ``properties`` keyword."""
+    import jsonschema
+    from jsonschema import Draft202012Validator, validators
+
+    def set_defaults(validator: Any, properties: dict[str, Any], inst: Any, sub: dict[str, Any]) -> Any:
+        if isinstance(inst, dict):
+            for prop, subschema in properties.items():
+                if isinstance(subschema, dict) and "default" in subschema:
+                    inst.setdefault(prop, copy.deepcopy(subschema["default"]))
+        yield from Draft202012Validator.VALIDATORS["properties"](validator, properties, inst, sub)
+
+    filling = validators.extend(Draft202012Validator, {"properties": set_defaults})
+    try:
+        filling(schema).validate(instance)
+    except jsonschema.ValidationError as exc:
+        raise _schema_error(exc) from None
 
 
 def resolve_budget(expr: int | str, top_k: int) -> int:
@@ -209,17 +167,17 @@ def budgets_for(cfg: dict[str, Any], model: str) -> list[int]:
     """The candidate budgets M evaluated for ``model`` (paper: {K/2, K, K+2}), plus extra budgets."""
     k = cfg["models"][model]["top_k"]
     out = [resolve_budget(b, k) for b in cfg["recall"]["budgets"]]
-    out += [int(b) for b in cfg["recall"].get("extra_budgets", [])]
+    out += [int(b) for b in cfg["recall"]["extra_budgets"]]
     return sorted(dict.fromkeys(out))
 
 
 def n_moe_layers(model_cfg: dict[str, Any]) -> int:
-    return model_cfg["num_hidden_layers"] - model_cfg.get("first_dense_layers", 0)
+    return model_cfg["num_hidden_layers"] - model_cfg["first_dense_layers"]
 
 
 def trains_online(cfg: dict[str, Any]) -> bool:
     """Predictors learn with the frozen model in the loop (source: online), not from stored corpus traces."""
-    return cfg["predictors"]["training"].get("source", "traces") == "online"
+    return cfg["predictors"]["training"]["source"] == "online"
 
 
 def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
@@ -249,12 +207,12 @@ def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
             raise ConfigError(f"invalid config key '{key}.hub_id': required when source is 'hub'")
         if m["source"] == "local":
             _check_path(m.get("path"), f"{key}.path", base_dir)
-        if m["arch"] == "deepseek_vl2" and not m.get("trust_remote_code"):
+        if m["arch"] == "deepseek_vl2" and not m["trust_remote_code"]:
             raise ConfigError(
                 f"invalid config key '{key}.trust_remote_code': DeepSeek-VL2 runs its own repository code; "
                 "opt in with trust_remote_code: true and a pinned revision"
             )
-        if m.get("trust_remote_code") and not re.fullmatch(r"[0-9a-f]{40}", str(m.get("revision", ""))):
+        if m["trust_remote_code"] and not re.fullmatch(r"[0-9a-f]{40}", str(m["revision"])):
             raise ConfigError(
                 f"invalid config key '{key}.revision': trust_remote_code runs the checkpoint repository's code, so "
                 f"its revision must be a full 40-hex commit hash, not {m.get('revision')!r} (a branch or tag can "
@@ -271,7 +229,7 @@ def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
                     f"invalid config key 'recall.budgets[{i}]': {b!r} gives M={value} > n_experts={m['n_experts']} "
                     f"for model {name}"
                 )
-        for i, b in enumerate(cfg["recall"].get("extra_budgets", [])):
+        for i, b in enumerate(cfg["recall"]["extra_budgets"]):
             if not 1 <= b <= m["n_experts"]:
                 raise ConfigError(
                     f"invalid config key 'recall.extra_budgets[{i}]': M={b} must be in [1, n_experts={m['n_experts']}]"
@@ -284,10 +242,12 @@ def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
             _check_path(w.get("path"), f"{key}.path", base_dir)
         if w["generator"] not in ("hub", "local") and "n_samples" not in w:
             raise ConfigError(f"invalid config key '{key}.n_samples': required for generator {w['generator']!r}")
-        scatter = int(cfg["traces"].get("scatter", 1))
+        scatter = int(cfg["traces"]["scatter"])
         if w.get("n_samples") is not None and scatter > int(w["n_samples"]):
             raise ConfigError(f"invalid config key 'traces.scatter': {scatter} shards for {w['n_samples']} samples "
                               f"of workload {name} (workloads.{name}.n_samples); each shard needs a sample")
+    if cfg["traces"]["mode"] == "generate" and cfg["traces"]["max_new_tokens"] < 1:
+        raise ConfigError("invalid config key 'traces.max_new_tokens': generate mode decodes at least one token")
     device = device_settings(cfg)
     for i, log_path in enumerate(device["external_logs"]):
         _check_path(log_path, f"device.external_logs[{i}]", base_dir)

@@ -17,6 +17,7 @@ import csv
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,9 @@ STORAGES = ("nvme_cold", "nvme", "ufs", "slow_ufs", "sdcard", "ram")
 EMULATED = ("nvme", "ufs", "slow_ufs", "sdcard")
 EXPERIMENTS = ("main", "matched", "sweep", "storage", "component")
 SIM_PLATFORMS = ("snapdragon_8_elite",)  # the simulator's platform profiles (runtime.platforms.PLATFORMS)
+# latency.csv: the per-layer breakdown of Figure 1(a)
+LATENCY_MODES = ("resident", "on_demand")
+LATENCY_PARTS = ("attention", "router", "expert_load", "moe_compute", "other")
 
 # Format strings of artefacts that have no package of their own to hold them.
 ROUTING_FORMAT = "specprefetch-routing-record/2"  # bench-runtime's per-run routing (safetensors tensor tree)
@@ -232,6 +236,151 @@ def read_csv(path: str | os.PathLike, columns: Sequence[str], what: str, **kwarg
     missing = [c for c in columns if c not in df.columns]
     if missing:
         raise ContractError(f"{path}:1: {what} lacks column {missing[0]!r}")
+    return df
+
+
+# ------------------------------------------------------------------------------------------------ result CSVs
+@dataclass(frozen=True)
+class Column:
+    """One column of a CSV contract: kind is str, int, float or bool; optional allowed values and range."""
+
+    name: str
+    kind: str = "str"
+    allowed: tuple[str, ...] | None = None
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    nullable: bool = False
+
+
+
+CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
+    "recall": (
+        Column("model"), Column("workload"), Column("method"), Column("M", "int", lo=1),
+        Column("expert_recall", "float", lo=0.0, hi=1.0), Column("n_tokens", "int", lo=0, lo_open=True),
+    ),
+    "per_layer": (
+        Column("model"), Column("workload"), Column("method"), Column("M", "int", lo=1),
+        Column("layer", "int", lo=0), Column("expert_recall", "float", lo=0.0, hi=1.0),
+    ),
+    "params": (Column("model"), Column("method"), Column("trainable_params", "int", lo=0)),
+    "runs": (
+        Column("platform"), Column("model"), Column("experiment", allowed=EXPERIMENTS),
+        Column("policy", allowed=POLICIES), Column("storage", allowed=STORAGES),
+        Column("m_max", "int", lo=0, nullable=True), Column("compute_opt", "bool"), Column("repeat", "int", lo=0),
+        Column("tokens_per_s", "float", lo=0.0, lo_open=True), Column("ready_recall", "float", lo=0.0, hi=1.0,
+                                                                        nullable=True),
+        Column("source"),
+    ),
+    "window": (
+        Column("platform"), Column("model"), Column("layer", "int", lo=0), Column("window_ms", "float", lo=0.0),
+        Column("transfer_ms", "float", lo=0.0, lo_open=True), Column("m_max", "int", lo=0),
+    ),
+    "window_events": (
+        Column("platform"), Column("model"), Column("layer", "int", lo=0), Column("M", "int", lo=1),
+        Column("demand_ms", "float", lo=0.0), Column("window_ms", "float", lo=0.0),
+    ),
+    "latency": (
+        Column("platform"), Column("model"), Column("mode", allowed=LATENCY_MODES), Column("layer", "int", lo=0),
+        Column("component", allowed=LATENCY_PARTS), Column("ms", "float", lo=0.0),
+    ),
+}
+
+# Column names in file order (the writers' headers); runs.csv has more columns than its contract checks.
+RECALL_COLUMNS = [c.name for c in CSV_CONTRACTS["recall"]]
+PER_LAYER_COLUMNS = [c.name for c in CSV_CONTRACTS["per_layer"]]
+PARAM_COLUMNS = [c.name for c in CSV_CONTRACTS["params"]]
+RUN_COLUMNS = [
+    "platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat", "tokens_per_s",
+    "ready_recall", "n_tokens", "hits", "misses", "prefetched", "wasted", "stall_ms", "source",
+    "inflight", "cancelled", "demand_loads", "io_errors", "peak_cache_experts", "capacity_experts",
+    "peak_cache_bytes", "capacity_bytes", "decode_s", "charge", "tokens_match", "measured_in",
+]
+RUN_KEY_COLUMNS = 17  # the first 17 (up to ``source``) every runs CSV must have, measured, simulated or merged
+
+_TRUE = {"true", "1", "yes", "t", "y"}
+_FALSE = {"false", "0", "no", "f", "n"}
+
+
+def _bad(path: Path, column: str, index: int, value: Any, why: str) -> ContractError:
+    # index is the 0-based data row; the header is line 1 of the file.
+    return ContractError(f"{path}: column {column!r}, line {index + 2}: value {value!r} {why}")
+
+
+def _coerce(df: pd.DataFrame, col: Column, path: Path) -> pd.Series:
+    import numpy as np
+    import pandas as pd
+
+    raw = df[col.name]
+    missing = raw.isna() | (raw.astype(str).str.strip() == "")
+    if missing.any() and not col.nullable:
+        i = int(np.flatnonzero(missing.to_numpy())[0])
+        raise _bad(path, col.name, i, "", "is empty (the column must be filled on every line)")
+    if col.kind == "str":
+        out = raw.astype(str).str.strip()
+        if col.allowed is not None:
+            bad = ~out.isin(col.allowed)
+            if bad.any():
+                i = int(np.flatnonzero(bad.to_numpy())[0])
+                raise _bad(path, col.name, i, out.iloc[i], f"is not one of {', '.join(col.allowed)}")
+        return out
+    if col.kind == "bool":
+        text = raw.astype(str).str.strip().str.lower()
+        ok = text.isin(_TRUE | _FALSE)
+        if not ok.all():
+            i = int(np.flatnonzero((~ok).to_numpy())[0])
+            raise _bad(path, col.name, i, raw.iloc[i], "is not a boolean (true/false)")
+        return text.isin(_TRUE)
+    num = pd.to_numeric(raw.where(~missing), errors="coerce")
+    bad = num.isna() & ~missing
+    if bad.any():
+        i = int(np.flatnonzero(bad.to_numpy())[0])
+        raise _bad(path, col.name, i, raw.iloc[i], "is not a number")
+    if col.kind == "int":
+        frac = (num.dropna() % 1 != 0)
+        if frac.any():
+            i = df.index.get_loc(frac[frac].index[0])
+            raise _bad(path, col.name, i, raw.iloc[i], "is not an integer")
+        num = num.astype("Int64") if col.nullable else num.astype(np.int64)
+    else:
+        num = num.astype(float)
+        inf = np.isinf(num.to_numpy(dtype=float, na_value=0.0))
+        if inf.any():
+            i = int(np.flatnonzero(inf)[0])
+            raise _bad(path, col.name, i, raw.iloc[i], "is not finite")
+    values = num.astype(float)
+    if col.lo is not None:
+        low = (values <= col.lo) if col.lo_open else (values < col.lo)
+        if low.fillna(False).any():
+            i = int(np.flatnonzero(low.fillna(False).to_numpy())[0])
+            rel = ">" if col.lo_open else ">="
+            raise _bad(path, col.name, i, raw.iloc[i], f"is out of range (must be {rel} {col.lo:g})")
+    if col.hi is not None:
+        high = (values > col.hi).fillna(False)
+        if high.any():
+            i = int(np.flatnonzero(high.to_numpy())[0])
+            raise _bad(path, col.name, i, raw.iloc[i], f"is out of range (must be <= {col.hi:g})")
+    return num
+
+
+def check_csv(path: str | os.PathLike, contract: str) -> pd.DataFrame:
+    """A result CSV checked against ``CSV_CONTRACTS[contract]``: every contract column present, typed, in range and
+    filled (unless nullable), at least one row; extra columns are kept as text. One line naming file, column, line."""
+    if contract not in CSV_CONTRACTS:
+        raise ValueError(f"unknown CSV contract {contract!r}")
+    path = Path(path)
+    df = read_csv(path, (), f"{contract} results CSV", dtype=str, keep_default_na=False, na_values=[""])
+    df.columns = [str(c).strip() for c in df.columns]
+    cols = CSV_CONTRACTS[contract]
+    missing = [c.name for c in cols if c.name not in df.columns]
+    if missing:
+        raise ContractError(f"{path}: missing column(s) {', '.join(repr(m) for m in missing)} "
+                            f"(the {contract} contract needs {', '.join(c.name for c in cols)})")
+    if df.empty:
+        raise ContractError(f"{path}: has a header but no rows")
+    df = df.reset_index(drop=True)
+    for col in cols:
+        df[col.name] = _coerce(df, col, path)
     return df
 
 

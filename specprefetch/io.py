@@ -18,8 +18,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from glob import escape as glob_escape
+from pathlib import Path
 from typing import Any
 
 

@@ -2,8 +2,12 @@
 
 Kept out of the .smk files so the rules stay thin wiring and the logic is tested like any library code.
 
-Shell safety: the ``*_arg``/``*_args`` helpers and ``train_command`` return ready shell words (every argument
-quoted with ``shlex``); the rules insert them unquoted (``{params.x}``), everything else with ``:q``.
+Shell safety: the ``*_arg``/``*_args`` helpers, ``cli_words`` and ``train_command`` return ready shell words (every
+argument quoted with ``shlex``); the rules insert them unquoted (``{params.x}``), everything else with ``:q``.
+
+Paths: every file and directory of the DAG comes from a helper here (or ``specprefetch.render.targets`` for the
+rendering); called without names, a helper returns the rule's wildcard pattern (``store_dir()`` is
+``"results/device/store/{model}"``), so a rule's output and the inputs that name it cannot drift apart.
 """
 
 from __future__ import annotations
@@ -11,17 +15,24 @@ from __future__ import annotations
 import copy
 import re
 import shlex
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from functools import cached_property
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
 
-from specprefetch.config import LEARNED_METHODS, trains_online, validate_config
+from specprefetch.config import LEARNED_METHODS, device_settings, trains_online, validate_config
 from specprefetch.contracts import read_doc
 from specprefetch.io import config_hash, write_text_atomic
+from specprefetch.render.targets import RESULT_PATHS
 
 CORPUS = "corpus"
+# Expensive deterministic rules whose outputs `snakemake --cache` shares between working directories.
+CACHEABLE_RULES = ("prepare_corpus", "train_tokenizer", "pretrain_stand_in", "extract_traces")
+# The software of every rule (one environment: every rule runs the same library), for the rules' `conda:`.
+CONDA_ENV = "envs/specprefetch.yaml"
 
 
 def shell_args(*args: str | int | list[str] | tuple[str, ...]) -> str:
@@ -35,17 +46,43 @@ def shell_args(*args: str | int | list[str] | tuple[str, ...]) -> str:
     return shlex.join(words)
 
 
+def untracked(value: str) -> Callable[..., str]:
+    """A rule param (``params: x=untracked(value)``) whose value Snakemake's params rerun trigger does not record.
+
+    Snakemake records each param's value with a job's outputs and reruns the job when it differs, except for params
+    computed from the job's input or output (their changes show there): this function takes ``input``, so its value
+    is left out. For values another trigger covers: the interpreter (the software) and the resolved config's path,
+    named by the hash of the *whole* config, while each rule's ``cfg`` param records the hash of the sections it reads
+    (a config change reruns exactly the jobs it affects). The value still reaches the shell, the printed commands and
+    the between-workflow cache key (which hashes every param)."""
+
+    def param(wildcards: Any, input: Any) -> str:  # Snakemake passes the job's input by that name
+        return value
+
+    return param
+
+
 class Pipeline:
-    """The validated config of one profile, and the file layout of its results."""
+    """The validated config of one profile, and the file layout of its results.
+
+    ``python`` runs the CLI in every job (the interpreter that runs Snakemake, or ``python`` of the rules' conda
+    environment); ``cores`` is Snakemake's ``--cores`` (None without it); ``cache`` is its ``--cache`` (None without
+    it, [] for every cacheable rule, else the rules it names)."""
+
+    untracked = staticmethod(untracked)
 
     def __init__(self, config: dict[str, Any], workdir: str | Path = ".",
-                 config_files: Sequence[str | Path] = ()) -> None:
+                 config_files: Sequence[str | Path] = (), *, python: str = sys.executable,
+                 cores: int | None = None, cache: Sequence[str] | None = None) -> None:
         self.workdir = Path(workdir)
         for path in config_files:  # duplicate keys, encodings: what Snakemake's own loader lets through
             read_doc(path, None, "config file", kind="yaml")
         validate_config(config, self.workdir)
         self.cfg = copy.deepcopy(config)
         self.config_path = self._write_resolved_config()
+        self.python = python
+        self.cores = cores
+        self.cached_rules = frozenset(r for r in CACHEABLE_RULES if cache is not None and (not cache or r in cache))
 
     # ---------------------------------------------------------------- names
     @property
@@ -90,15 +127,90 @@ class Pipeline:
         """Hash of the order of models and workloads (config_hash ignores mapping order; the tables do not)."""
         return config_hash([list(self.cfg["models"]), list(self.cfg["workloads"])])[:12]
 
+    def render_hash(self) -> str:
+        """What the rendering depends on; the tables follow the config's order of models and workloads (the paper's),
+        so the order is part of it."""
+        return f"{self.hash_of('models', 'workloads', 'recall', 'predictors', 'render')}-{self.order_hash()}"
+
+    # ---------------------------------------------------------------- rule params (not files)
+    @property
+    def cli_words(self) -> str:
+        """``python -m specprefetch``, as shell words (the interpreter quoted)."""
+        return shell_args(self.python, "-m", "specprefetch")
+
+    @property
+    def cli(self) -> Callable[..., str]:
+        """The ``cli`` param of every rule: :attr:`cli_words`, out of the params trigger (the interpreter's path
+        differs between ``snakemake`` and ``python3 -m snakemake`` without any change to the software)."""
+        return untracked(self.cli_words)
+
+    @property
+    def config_param(self) -> Callable[..., str]:
+        """The ``config`` param of every rule: the resolved config's path, out of the params trigger (see
+        :func:`untracked`; the rule's ``cfg`` param tracks the sections it reads)."""
+        return untracked(self.config_path)
+
+    @property
+    def conda_env(self) -> str:
+        return str(self.workdir / CONDA_ENV)
+
+    @property
+    def exclusive_threads(self) -> int:
+        """Threads of the timing rules: every core when --cores is given, so nothing else runs while they measure;
+        1 when it is not (e.g. ``snakemake --report``, which runs nothing)."""
+        return self.cores or 1
+
+    def cache_mode(self, rule: str) -> str | bool:
+        """The rule's ``cache:`` directive: between-workflow caching when ``--cache`` asks for it, else none."""
+        return "omit-software" if rule in self.cached_rules else False
+
     # ---------------------------------------------------------------- paths
-    def workload_dir(self, workload: str) -> str:
-        return "results/corpus" if workload == CORPUS else f"results/workloads/{workload}"
+    # Logs and benchmarks: one file per job under logs/<rule>/ and benchmarks/<rule>/, named by its wildcards.
+    def log_path(self, rule: str, name: str) -> str:
+        return f"logs/{rule}/{name}.log"
+
+    def benchmark_path(self, rule: str, name: str) -> str:
+        return f"benchmarks/{rule}/{name}.tsv"
+
+    @staticmethod
+    def parent_dir(paths: str | Sequence[str]) -> str:
+        """The directory of a job's output or input file (of the first, for a list), for a CLI's ``--out-dir``: the
+        rules derive such params from their files (``lambda w, output: P.parent_dir(output.x)``), so the directory
+        follows the files wherever Snakemake puts them, and the params trigger leaves it to the files."""
+        return str(PurePosixPath(paths if isinstance(paths, str) else paths[0]).parent)
+
+    @property
+    def corpus_dir(self) -> str:
+        return "results/corpus"
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return "results/tokenizer"
+
+    def workload_dir(self, workload: str = "{workload}") -> str:
+        return self.corpus_dir if workload == CORPUS else f"results/workloads/{workload}"
+
+    def workload_dirs(self) -> list[str]:
+        return [self.workload_dir(w) for w in self.workloads]
+
+    @property
+    def disjointness_json(self) -> str:
+        return "results/workloads/disjointness.json"
+
+    def stand_in_dir(self, model: str = "{model}") -> str:
+        return f"results/models/{model}"
+
+    @staticmethod
+    def result_path(name: str) -> str:
+        """A gathered result the rendering reads (``render.targets.RESULT_PATHS``: recall, per_layer, params, runs,
+        window, window_events, latency)."""
+        return RESULT_PATHS[name]
 
     def model_dir(self, model: str) -> str | None:
         """Where a model's weights come from: the pipeline's stand-in, a local copy, or None (the hub)."""
         m = self.cfg["models"][model]
         if m["source"] == "stand_in":
-            return f"results/models/{model}"
+            return self.stand_in_dir(model)
         if m["source"] == "local":
             return m["path"]
         return None
@@ -120,9 +232,13 @@ class Pipeline:
         """``--traces DIR`` (quoted shell words), or nothing when the job reads no traces (online training)."""
         return shell_args("--traces", traces) if traces else ""
 
-    def trace_dir(self, model: str, workload: str) -> str:
+    def trace_dir(self, model: str = "{model}", workload: str = "{workload}") -> str:
         """A whole trace set, gathered from its scatter shards."""
         return f"results/traces/{model}/{workload}"
+
+    def trace_shard_dir(self, model: str = "{model}", workload: str = "{workload}",
+                        shard: int | str = "{shard}") -> str:
+        return f"results/trace_shards/{model}/{workload}/{shard}"
 
     @property
     def trains_on_traces(self) -> bool:
@@ -131,7 +247,7 @@ class Pipeline:
 
     def train_inputs(self, model: str) -> dict[str, Any]:
         """What train_predictor reads: the corpus, the model, and the corpus traces unless training online."""
-        inputs: dict[str, Any] = {"corpus": "results/corpus", "model": self.model_inputs(model)}
+        inputs: dict[str, Any] = {"corpus": self.corpus_dir, "model": self.model_inputs(model)}
         if self.trains_on_traces:
             inputs["traces"] = self.trace_dir(model, CORPUS)
         return inputs
@@ -150,31 +266,89 @@ class Pipeline:
     @property
     def scatter(self) -> int:
         """Extraction (and recall evaluation) jobs per trace set: config traces.scatter (default 1)."""
-        return int(self.cfg["traces"].get("scatter", 1))
+        return int(self.cfg["traces"]["scatter"])
 
     def trace_shard_dirs(self, model: str, workload: str) -> list[str]:
-        return [f"results/trace_shards/{model}/{workload}/{i}" for i in range(self.scatter)]
+        return [self.trace_shard_dir(model, workload, i) for i in range(self.scatter)]
 
-    def predictor_dir(self, model: str, method: str) -> str:
+    def predictor_dir(self, model: str = "{model}", method: str = "{method}") -> str:
         return f"results/predictors/{model}/{method}"
+
+    def recall_csv(self, model: str = "{model}", workload: str = "{workload}", shard: int | str = "{shard}") -> str:
+        return f"results/recall/{model}/{workload}/{shard}.csv"
 
     def is_learned(self, method: str) -> bool:
         return method in LEARNED_METHODS
 
     # ---------------------------------------------------------------- targets
     def recall_csvs(self) -> list[str]:
-        return [f"results/recall/{m}/{w}/{i}.csv" for m in self.models for w in self.workloads
-                for i in range(self.scatter)]
+        return [self.recall_csv(m, w, i) for m in self.models for w in self.workloads for i in range(self.scatter)]
 
     def predictor_dirs(self) -> list[str]:
         return [self.predictor_dir(m, meth) for m in self.models for meth in self.methods]
 
     def paper_table_inputs(self) -> list[str]:
-        return [
-            "results/workloads/disjointness.json",
-            "results/recall/recall.csv",
-            "results/predictors/params.csv",
-        ]
+        return [self.disjointness_json, self.result_path("recall"), self.result_path("params")]
+
+    # ---------------------------------------------------------------- device (offloaded runtime)
+    @cached_property
+    def device(self) -> dict[str, Any]:
+        """The ``device`` section over its defaults (specprefetch.config.device_settings)."""
+        return device_settings(self.cfg)
+
+    @property
+    def device_models(self) -> list[str]:
+        return list(self.device["models"])
+
+    @property
+    def device_workload(self) -> str:
+        return self.device["workload"]
+
+    @property
+    def device_sim_workloads(self) -> list[str]:
+        """The workloads whose traces the simulator replays (default: the runtime's workload)."""
+        return list(self.device["simulator"]["workloads"] or [self.device_workload])
+
+    @property
+    def device_predictors(self) -> list[str]:
+        """The learned predictors the runtime prefetches with."""
+        return [m for m in ("specprefetch", "fate") if m in self.methods]
+
+    def device_predictor_dirs(self, model: str) -> list[str]:
+        return [self.predictor_dir(model, m) for m in self.device_predictors]
+
+    def device_predictor_args(self, model: str) -> str:
+        """``--predictor METHOD=DIR ...`` of the runtime's predictors (quoted shell words)."""
+        return self.predictor_args(model, self.device_predictors)
+
+    def store_dir(self, model: str = "{model}") -> str:
+        return f"results/device/store/{model}"
+
+    def window_dir(self, model: str = "{model}") -> str:
+        return f"results/device/window/{model}"
+
+    def measured_csv(self, model: str = "{model}") -> str:
+        return f"results/device/measured/{model}.csv"
+
+    def routing_file(self, model: str = "{model}") -> str:
+        return f"results/device/measured/{model}.routing.safetensors"
+
+    def simulated_csv(self, model: str = "{model}") -> str:
+        return f"results/device/simulated/{model}.csv"
+
+    def sim_validation_csv(self, model: str = "{model}") -> str:
+        return f"results/device/sim_validation/{model}.csv"
+
+    def accuracy_csv(self, model: str = "{model}") -> str:
+        return f"results/device/accuracy/{model}.csv"
+
+    def accuracy_csvs(self) -> list[str]:
+        return [self.accuracy_csv(m) for m in self.device_models]
+
+    @property
+    def sim_validation_table(self) -> str:
+        """Every model's simulator validation, gathered by collect_device_benchmarks."""
+        return "results/device/sim_validation.csv"
 
     # ---------------------------------------------------------------- scheduling
     # Per-rule resources for local runs and the SLURM profile. The paper profile's heavy rules need a GPU
@@ -200,6 +374,17 @@ class Pipeline:
         "validate_simulator": {"cpu": {"mem_mb": 4000, "runtime": 30}, "paper": {"mem_mb": 16000, "runtime": 60}},
         "evaluate_offloaded": {"cpu": {"mem_mb": 4000, "runtime": 60},
                                "paper": {"mem_mb": 128000, "runtime": 720, "gpu": 1}},
+        # gathering and rendering: small, the same for every profile (most are localrules)
+        "gather_traces": {"cpu": {"mem_mb": 2000, "runtime": 30}, "paper": {"mem_mb": 2000, "runtime": 30}},
+        "gather_recall": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
+        "gather_params": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
+        "collect_device_benchmarks": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
+        "archive_results": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
+        "render_table": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
+        "render_figure": {"cpu": {"mem_mb": 2000, "runtime": 5}, "paper": {"mem_mb": 2000, "runtime": 5}},
+        "compare_with_paper": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
+        "write_preview": {"cpu": {"mem_mb": 500, "runtime": 5}, "paper": {"mem_mb": 500, "runtime": 5}},
+        "compile_preview": {"cpu": {"mem_mb": 1000, "runtime": 10}, "paper": {"mem_mb": 1000, "runtime": 10}},
     }
 
     def resources(self, rule: str) -> dict[str, int]:

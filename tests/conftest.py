@@ -102,3 +102,15 @@ def tiny_tokenizer(tiny_tokenizer_dir: Path) -> Any:
 @pytest.fixture(scope="session")
 def tiny_corpus_dir(tmp_path_factory: pytest.TempPathFactory, smoke_cfg: dict[str, Any]) -> Path:
     return write_tiny_workload(tmp_path_factory.mktemp("corpus") / "corpus", 24, smoke_cfg["image"]["size"], seed=1)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Any:
+    """Tiny models: one intra-op thread is ~10x faster than two on a shared, oversubscribed CPU
+    (``pytestmark = pytest.mark.usefixtures("one_thread")`` in a module that builds them)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

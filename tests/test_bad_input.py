@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from conftest import REPO, write_tiny_workload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO, write_tiny_workload
 from specprefetch.io import SpecPrefetchError
 
 CONFIG = REPO / "config" / "config.yaml"
@@ -104,7 +104,8 @@ def _write_external(out: Path) -> Path:
 
 
 def _write_runs(out: Path) -> Path:
-    from specprefetch.runtime.bench import RUN_COLUMNS, write_runs_csv
+    from specprefetch.contracts import RUN_COLUMNS
+    from specprefetch.runtime.bench import write_runs_csv
 
     write_runs_csv(out, [{**{c: 0 for c in RUN_COLUMNS}, **EXTERNAL_ROW, "platform": "local-cpu",
                           "source": "measured", "storage": "nvme_cold"}])
@@ -435,16 +436,16 @@ CASES = [
          "predictor trained for model 'tiny-qwen3-vl-moe'"),
     Case("trace-of-another-model", _simulate(trace_model="tiny-qwen3-vl-moe"), "trace of model 'tiny-qwen3-vl-moe'"),
     # ---- recall CSVs
-    Case("recall-truncated", _gather_recall(lambda p: _truncate(p, 0.9)), "recall-shard.csv:3"),
+    Case("recall-truncated", _gather_recall(lambda p: _truncate(p, 0.9)), "recall-shard.csv: column 'M', line 3"),
     Case("recall-empty", _gather_recall(lambda p: p.write_text("")), "empty file"),
     Case("recall-missing-column", _gather_recall(lambda p: p.write_text("model,workload\na,b\n")),
-         "lacks column 'method'"),
+         "missing column(s) 'method'"),
     Case("recall-non-numeric", _gather_recall(lambda p: p.write_text(p.read_text().replace("0.5", "high"))),
-         "is not a recall in [0, 1]"),
+         "column 'expert_recall', line 2: value 'high' is not a number"),
     Case("recall-zero-tokens", _gather_recall(lambda p: p.write_text(p.read_text().replace(",40\n", ",0\n", 1))),
-         "is not a positive count"),
+         "column 'n_tokens', line 2: value '0' is out of range (must be > 0)"),
     Case("recall-nan", _gather_recall(lambda p: p.write_text(p.read_text().replace("0.5", "nan"))),
-         "recall-shard.csv:2: empty 'expert_recall' cell"),
+         "column 'expert_recall', line 2: value 'nan' is not a number"),
     Case("recall-binary", _gather_recall(lambda p: p.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")), "binary file"),
     Case("recall-is-directory", lambda g, t: (["gather-recall", "--out", str(t / "o.csv"), str(t)], t / "o.csv"),
          "is a directory"),

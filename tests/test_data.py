@@ -14,13 +14,22 @@ from PIL import Image
 from specprefetch.config import load_config
 from specprefetch.data import hub
 from specprefetch.data.corpus import (
-    DisjointnessError, check_disjoint, derived_seed, mixture_counts, prepare_train_corpus,
+    DisjointnessError,
+    check_disjoint,
+    derived_seed,
+    mixture_counts,
+    prepare_train_corpus,
 )
 from specprefetch.data.generators import GENERATORS, IMAGE_GENERATORS
 from specprefetch.data.imaging import png_bytes
 from specprefetch.data.synth_gsm8k import verify_gsm8k_solution
 from specprefetch.data.workloads import (
-    Sample, WorkloadError, prepare_workload, read_samples_jsonl, read_workload, write_workload,
+    Sample,
+    WorkloadError,
+    prepare_workload,
+    read_samples_jsonl,
+    read_workload,
+    write_workload,
 )
 from specprefetch.io import SpecPrefetchError
 
@@ -131,7 +140,10 @@ def test_gsm8k_verifier_rejects_a_wrong_annotation() -> None:
 def _chart_expected(meta: dict, question: str) -> str:
     """Recompute a chart answer from the chart data by parsing the question (independently of the generator)."""
     cats, series, dec = meta["categories"], meta["series"], meta["decimals"]
-    f = (lambda v: f"{v:.{dec}f}" if dec else str(int(round(v))))
+
+    def f(v):
+        return f"{v:.{dec}f}" if dec else str(int(round(v)))
+
     if meta["chart_type"] == "grouped_bar":
         by_name = {s["name"]: s["values"] for s in series}
         cat = next((c for c in cats if f"in {c}?" in question or question.startswith(f"In {c},")), None)
@@ -406,7 +418,8 @@ def test_tokenizer_special_tokens_round_trip_and_determinism(smoke: dict, built:
     ids = [tok.encode(t, add_special_tokens=False) for t in SPECIAL_TOKENS]
     assert all(len(i) == 1 for i in ids) and len({i[0] for i in ids}) == len(SPECIAL_TOKENS)
     assert len(tok) <= smoke["tokenizer"]["vocab_size"]
-    text = "def f(x):\n    return x ** 2  # héllo, 世界 😀\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|><image>"
+    text = ("def f(x):\n    return x ** 2  # héllo, 世界 😀\n<|im_start|>user\n"
+            "<|vision_start|><|image_pad|><|vision_end|><image>")
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 

@@ -12,20 +12,17 @@ import torch
 from specprefetch.cli import main as cli_main
 from specprefetch.config import budgets_for, load_config
 from specprefetch.io import SpecPrefetchError
-from specprefetch.metrics import (
-    aggregate_by_sample,
+from specprefetch.metrics import aggregate_by_sample, expert_recall, recall_per_token, select_candidates
+from specprefetch.predictors import PredictorDims, build_predictor
+from specprefetch.predictors.evaluate import (
     candidate_sets,
     evaluate_recall,
-    expert_recall,
     gather_params,
     gather_recall,
     per_layer_path,
-    recall_per_token,
-    select_candidates,
 )
-from specprefetch.predictors import PredictorDims, build_predictor
-from specprefetch.predictors.commands import parse_predictor_args
-from specprefetch.train import train_predictor
+from specprefetch.predictors.train import train_predictor
+from specprefetch.stages.common import parse_predictor_args
 from tests.test_predictors import MODEL, make_trace
 
 REPO = Path(__file__).resolve().parent.parent

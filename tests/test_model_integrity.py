@@ -37,12 +37,7 @@ WEIGHTS = {QWEN: ["model.safetensors"],
            DEEPSEEK: ["language/model.safetensors", "projector.safetensors", "vision/model.safetensors"]}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -40,13 +40,7 @@ from specprefetch.models.standins import build_stand_in, save_stand_in
 STANDINS = ("tiny-qwen3-vl-moe", "tiny-deepseek-vl2")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """Tiny models: one intra-op thread is ~10x faster than two on a shared, oversubscribed CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------ tiny models
@@ -451,11 +445,12 @@ def _mean_lm_loss(bundle: ModelBundle, samples: list[Any], root: Path) -> float:
 @pytest.mark.parametrize("name", STANDINS)
 def test_pretrain_lowers_loss_and_is_deterministic(name: str, smoke_cfg: dict[str, Any], tiny_tokenizer_dir: Path,
                                                    tiny_corpus_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
     from specprefetch.data.workloads import read_workload
     from specprefetch.io import seed_everything
     from specprefetch.models.pretrain import TRAIN_LOG, param_digest, pretrain_stand_in, split_heldout
     from specprefetch.models.standins import build_stand_in
-    from transformers import AutoTokenizer
 
     cfg = copy.deepcopy(smoke_cfg)
     pcfg = cfg["models"][name]["pretrain"]

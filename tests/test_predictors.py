@@ -15,8 +15,8 @@ from specprefetch.config import load_config
 from specprefetch.io import SpecPrefetchError
 from specprefetch.predictors import METHODS, PredictorDims, PredictorError, build_predictor, load_predictor
 from specprefetch.predictors.data import TraceChunks, chunk_spans, iter_trace_batches
+from specprefetch.predictors.train import next_layer_kl, train_predictor
 from specprefetch.traces.store import TraceReader, TraceWriter
-from specprefetch.train import next_layer_kl, train_predictor
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "tiny-qwen3-vl-moe"  # smoke profile: L=3 MoE layers, D=32, n=16, K=4
@@ -356,7 +356,7 @@ def test_preempted_training_resumes_from_its_checkpoint(cfg: dict, corpus: Path,
     with the weights of an uninterrupted run."""
     from transformers import TrainerCallback
 
-    import specprefetch.train as train_mod
+    import specprefetch.predictors.train as train_mod
 
     cfg = copy.deepcopy(cfg)
     cfg["predictors"]["training"]["checkpoint_steps"] = 3
@@ -394,7 +394,8 @@ def test_preempted_training_resumes_from_its_checkpoint(cfg: dict, corpus: Path,
         train_predictor(cfg, MODEL, "specprefetch", corpus, tmp_path / "job2")
     monkeypatch.setattr(train_mod, "_make_trainer", make)
     cfg["predictors"]["training"]["lr"] = 1e-2
-    assert train_predictor(cfg, MODEL, "specprefetch", corpus, tmp_path / "job2")["training"]["resumed_from_step"] is None
+    retrained = train_predictor(cfg, MODEL, "specprefetch", corpus, tmp_path / "job2")
+    assert retrained["training"]["resumed_from_step"] is None
 
 
 @pytest.mark.parametrize("method", ["fate", "frequency", "previous_token", "oracle"])
@@ -473,7 +474,8 @@ def test_online_training_keeps_model_frozen(smoke_cfg: dict, stand_in_dir: Path,
     fate = train_predictor(cfg, MODEL, "fate", None, tmp_path / "fate", model_dir=stand_in_dir,
                            corpus_dir=tiny_corpus_dir)
     assert fate["training"]["source"] == "online"
-    torch.testing.assert_close(load_predictor(tmp_path / "fate").weight[0], TraceReader(tmp_path / "trace").gate_weights()[1])
+    torch.testing.assert_close(load_predictor(tmp_path / "fate").weight[0],
+                               TraceReader(tmp_path / "trace").gate_weights()[1])
     with pytest.raises(SpecPrefetchError, match="--corpus"):
         train_predictor(cfg, MODEL, "specprefetch", None, tmp_path / "x", model_dir=stand_in_dir)
 

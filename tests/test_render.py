@@ -690,24 +690,24 @@ def test_tables_and_preview_compile_with_pdflatex(rendered: Path, cfg: dict, tmp
     assert not (bad / "fragment.pdf").exists()
 
 
-def test_config_fragment_is_valid_and_complete() -> None:
-    """The proposed render: sections validate against the proposed schema and name every table and quantity."""
-    import jsonschema
-
+def test_render_schema_is_complete_and_every_profile_validates() -> None:
+    """The schema's render section names every table and quantity, holds the table diff's defaults, and every
+    profile's render section validates against it."""
+    from specprefetch.config import ConfigError, load_config, section_defaults
     from specprefetch.render.cells import QUANTITIES
     from specprefetch.render.diff import Tolerances
     from specprefetch.render.targets import FIGURE_NAMES, TABLE_NAMES
 
-    frag = yaml.safe_load((ROOT / "specprefetch" / "render" / "config_fragment.yaml").read_text())
-    schema = frag["schema"]["render"]
+    schema = yaml.safe_load((ROOT / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    tol = schema["$defs"]["render"]["properties"]["tolerances"]
     for profile in ("config.yaml", "smoke.yaml", "paper.yaml"):
-        jsonschema.validate(frag[profile]["render"], schema)
-        Tolerances(frag[profile]["render"]["tolerances"])
-    tol = schema["properties"]["tolerances"]
+        Tolerances(load_config(ROOT / "config" / profile)["render"]["tolerances"])
     assert set(tol["propertyNames"]["enum"]) == {"default", *TABLE_NAMES, *FIGURE_NAMES}
     assert set(tol["additionalProperties"]["propertyNames"]["enum"]) == set(QUANTITIES)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"tolerances": {"table1_recall": {"recall": {"abs": -1}}}}, schema)
+    assert set(tol["properties"]["default"]["properties"]) == set(QUANTITIES)
+    assert Tolerances().get("table3_params", "params").describe() == "exact"
+    with pytest.raises(ConfigError):
+        section_defaults("render", {"tolerances": {"table1_recall": {"recall": {"abs": -1}}}})
 
 
 def test_without_pdflatex_the_preview_is_skipped_with_a_clear_message(rendered: Path, tmp_path: Path,

@@ -15,17 +15,19 @@ import torch
 
 from specprefetch.runtime.cache import CacheError, ExpertCache
 from specprefetch.runtime.engine import POLICIES, OffloadedRuntime, RuntimeOptions
-from specprefetch.runtime.priority import (
-    PredictorPriority,
-    PreviousTokenPriority,
-    fate_from_model,
-    select_prefetch,
-)
+from specprefetch.runtime.priority import PredictorPriority, PreviousTokenPriority, fate_from_model, select_prefetch
 from specprefetch.runtime.storage import ExpertReader, FaultInjector, make_profile
 from specprefetch.runtime.store import ExpertStore, StoreError, build_expert_store
 from specprefetch.runtime.timeline import LayerEvent, ready_recall_of, summarize
 
 VOCAB = 96
+
+
+def _device(**over: Any) -> dict[str, Any]:
+    """A resolved ``device`` section (the schema's defaults) with ``over`` set."""
+    from specprefetch.config import section_defaults
+
+    return section_defaults("device", over)
 NEW = 8  # tokens generated per run
 
 
@@ -95,7 +97,7 @@ def run_policy(s: dict[str, Any], policy: str, storage: str = "ram", m_max: int 
                compute_opt: bool = True, faults: FaultInjector | None = None, sync: bool = False,
                io_workers: int = 2, record: bool = False) -> tuple[torch.Tensor, OffloadedRuntime]:
     store = s["store"]
-    prof = make_profile(storage, {"charge": "real"}, store.layout.payload_bytes)
+    prof = make_profile(storage, _device(charge="real"), store.layout.payload_bytes)
     reader = ExpertReader(store, prof, faults=faults, verify=True)
     cap = capacity or 2 * s["spec"].top_k + m_max
     opts = RuntimeOptions(policy=policy, m_max=m_max, capacity=cap, compute_opt=compute_opt, io_workers=io_workers,
@@ -209,7 +211,7 @@ def test_prefill_loads_take_no_emulated_delay(setup: dict[str, Any]) -> None:
     assert any(tokens_of_step[tr.step] > 1 for tr in log) and any(tokens_of_step[tr.step] == 1 for tr in log)
     assert all(tr.charged == (tokens_of_step[tr.step] == 1) for tr in log)
     store = setup["store"]
-    reader = ExpertReader(store, make_profile("sdcard", {"charge": "real"}, store.layout.payload_bytes))
+    reader = ExpertReader(store, make_profile("sdcard", _device(charge="real"), store.layout.payload_bytes))
     try:
         buf = torch.empty(store.record_bytes, dtype=torch.uint8)
         reader.read(0, 1, buf, charged=False)
@@ -340,8 +342,8 @@ def test_simulator_overlap_and_budget() -> None:
 
 # ------------------------------------------------------------------------------------------ external logs
 def _external_rows() -> list[dict[str, Any]]:
-    base = {"platform": "snapdragon_8_elite", "model": "deepseek-vl2-tiny", "experiment": "main", "storage": "nvme_cold",
-            "compute_opt": "true", "repeat": 0}
+    base = {"platform": "snapdragon_8_elite", "model": "deepseek-vl2-tiny", "experiment": "main",
+            "storage": "nvme_cold", "compute_opt": "true", "repeat": 0}
     return [{**base, "policy": "off", "m_max": 0, "tokens_per_s": 3.75, "ready_recall": ""},
             {**base, "policy": "specprefetch", "m_max": 8, "tokens_per_s": 4.05, "ready_recall": 0.917}]
 
@@ -399,19 +401,20 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     """The rules' library path on a tiny model: window files per the contract, runs rows, simulator replay."""
     import csv
 
+    from specprefetch.config import section_defaults
+    from specprefetch.contracts import RUN_COLUMNS
     from specprefetch.models.routing import discover_routing
-    from specprefetch.runtime.bench import RUN_COLUMNS, bench_runtime
-    from specprefetch.runtime.commands import provider_factories
+    from specprefetch.runtime.bench import bench_runtime
     from specprefetch.runtime.decode import Prompt
+    from specprefetch.runtime.priority import provider_factories
     from specprefetch.runtime.session import Harness
-    from specprefetch.runtime.settings import DEVICE_DEFAULTS, _merge
     from specprefetch.runtime.simrun import summarize_validation, validate_simulator
     from specprefetch.runtime.window import profile_window
 
     model = tiny_deepseek()
     spec = discover_routing(model)
     store = ExpertStore(build_expert_store(model, tmp_path / "store", spec))
-    s = _merge(DEVICE_DEFAULTS, {"n_prompts": 1, "max_new_tokens": 5, "repeats": 1, "io_workers": 2,
+    s = section_defaults("device", {"n_prompts": 1, "max_new_tokens": 5, "repeats": 1, "io_workers": 2,
                                  "storages": ["nvme_cold", "slow_ufs"], "experiments": ["main", "matched", "component"],
                                  "window": {"n_prompts": 1, "demand_m": [2, 4], "transfer_samples": 4},
                                  "cache": {"capacity_experts": 8}})
@@ -486,11 +489,11 @@ def test_lm_eval_scores_equal_plain_model(tmp_path: Path, tiny_tokenizer: Any) -
     """lm-eval through the offloaded runtime: same generations and scores as the plain model, every policy."""
     from types import SimpleNamespace
 
+    from specprefetch.config import section_defaults
     from specprefetch.data.lm_eval_tasks import write_lm_eval_task
     from specprefetch.models.routing import discover_routing
-    from specprefetch.runtime.commands import provider_factories
     from specprefetch.runtime.lm_eval_model import evaluate_offloaded
-    from specprefetch.runtime.settings import DEVICE_DEFAULTS, _merge
+    from specprefetch.runtime.priority import provider_factories
     from tests.conftest import write_tiny_workload
 
     wdir = write_tiny_workload(tmp_path / "workloads" / "gsm8k", 3, 32, seed=4, split="test", benchmark="gsm8k")
@@ -500,7 +503,7 @@ def test_lm_eval_scores_equal_plain_model(tmp_path: Path, tiny_tokenizer: Any) -
     spec = discover_routing(model)
     store = ExpertStore(build_expert_store(model, tmp_path / "store", spec))
     cfg = {"workloads": {"gsm8k": {"lm_eval_task": "tiny_gsm8k"}}}
-    s = _merge(DEVICE_DEFAULTS, {"accuracy": {"policies": ["off", "specprefetch", "naive", "resident"], "limit": 2,
+    s = section_defaults("device", {"accuracy": {"policies": ["off", "specprefetch", "naive", "resident"], "limit": 2,
                                               "max_gen_toks": 6}, "m_max": 3, "cache": {"capacity_experts": 8}})
     providers = provider_factories({}, spec, "cpu")
     adapter = random_adapter(spec)
@@ -533,7 +536,7 @@ def test_runtime_priorities_match_the_predictor(setup: dict[str, Any]) -> None:
 def test_bandwidth_model_and_profiles() -> None:
     from specprefetch.runtime.storage import BandwidthModel, StorageError
 
-    p = make_profile("slow_ufs", {"charge": "paper"}, 1000)
+    p = make_profile("slow_ufs", _device(charge="paper"), 1000)
     assert p.charged_bytes == pytest.approx(1.94e6)
     one = 0.30e-3 + 1.94e6 / 750e6
     assert p.transfer_s() == pytest.approx(one)
@@ -541,13 +544,13 @@ def test_bandwidth_model_and_profiles() -> None:
     first, second = bw.schedule(10.0), bw.schedule(10.0)
     assert first == pytest.approx(10.0 + one)
     assert second == pytest.approx(10.0 + 2 * 1.94e6 / 750e6 + 0.30e-3)  # data serialised, latency overlapped
-    scaled = make_profile("nvme", {"charge": "calibrated"}, 1000, scale=0.5)
-    assert scaled.transfer_s() == pytest.approx(0.5 * make_profile("nvme", {"charge": "paper"}, 1000).transfer_s())
-    assert make_profile("nvme", {"charge": "real"}, 4096).charged_bytes == 4096
+    scaled = make_profile("nvme", _device(charge="calibrated"), 1000, scale=0.5)
+    assert scaled.transfer_s() == pytest.approx(0.5 * make_profile("nvme", _device(charge="paper"), 1000).transfer_s())
+    assert make_profile("nvme", _device(charge="real"), 4096).charged_bytes == 4096
     with pytest.raises(StorageError, match="device.storage_profiles.ufs"):
-        make_profile("ufs", {"storage_profiles": {"ufs": {"bandwidth_mbps": 0, "latency_ms": 1}}})
+        make_profile("ufs", {**_device(), "storage_profiles": {"ufs": {"bandwidth_mbps": 0, "latency_ms": 1}}})
     with pytest.raises(StorageError, match="unknown storage profile"):
-        make_profile("floppy")
+        make_profile("floppy", _device())
 
 
 def test_per_model_experiments() -> None:
@@ -586,3 +589,11 @@ def test_missing_or_foreign_window_profile_is_a_clear_error(tmp_path: Path) -> N
     res = validate(tmp_path / "w")
     assert res.returncode != 0 and "is for model 'tiny-qwen3-vl-moe', not 'tiny-deepseek-vl2'" in res.stderr
     assert not (tmp_path / "v.csv").exists()
+
+
+def test_simulator_platforms_are_the_config_vocabulary() -> None:
+    """contracts.SIM_PLATFORMS (what a config may name) is exactly the simulator's platform table."""
+    from specprefetch.contracts import SIM_PLATFORMS
+    from specprefetch.runtime.platforms import PLATFORMS
+
+    assert tuple(PLATFORMS) == SIM_PLATFORMS

@@ -27,12 +27,12 @@ SMK_FILES = [ROOT / "Snakefile", *sorted((ROOT / "workflow/rules").glob("*.smk")
 # with shlex where it is built); the value is the regex its definition must match, so the allow-list cannot be reused
 # for a param built some other way.
 PRE_QUOTED = {
-    # the CLI: shlex.join([sys.executable, "-m", "specprefetch"]) in the Snakefile
-    "SP": r"^SP = shlex\.join\(",
+    # the CLI, "PYTHON -m specprefetch": Pipeline.cli (Pipeline.cli_words, shell_args)
+    "params.cli": r"^P\.cli,?$",
     # "--model-dir DIR" or nothing: Pipeline.model_dir_arg (shell_args)
     "params.model_dir": r"P\.model_dir_arg\(",
-    # "--predictor METHOD=DIR ...": Pipeline.predictor_args (directly or through device.smk's dev_predictor_args)
-    "params.predictors": r"(P\.predictor_args|dev_predictor_args)\(",
+    # "--predictor METHOD=DIR ...": Pipeline.predictor_args (directly or through Pipeline.device_predictor_args)
+    "params.predictors": r"P\.(device_)?predictor_args\(",
     # "--recall FILE --runs FILE ...": render.targets.input_flags (shlex.join)
     "params.inputs": r"RT\.input_flags\(",
     # "--traces DIR" or nothing: Pipeline.traces_arg (shell_args)
@@ -88,20 +88,25 @@ def test_every_shell_placeholder_is_quoted_or_pre_quoted() -> None:
         assert unquoted_placeholders(text, used) == [], smk.name
     assert n_rules >= 20  # the parser found the rules' commands (every rule has one but paper_tables)
     assert used == set(PRE_QUOTED), f"allow-list entries no rule uses: {set(PRE_QUOTED) - used}"
-    assert re.search(PRE_QUOTED["SP"], (ROOT / "Snakefile").read_text(), flags=re.MULTILINE)
 
 
 def test_static_check_catches_an_unquoted_placeholder() -> None:
     rule = ('rule foo_bar:\n    input:\n        model_dir=lambda w: P.model_dir_arg(w.model),\n'
-            '    params:\n        model_dir=lambda w: f"--model-dir {{w.model}}",\n    shell:\n'
-            '        "{SP} x --out {output:q} {params.model_dir} "\n        "--dir {RENDER_DIR} {input.x:q} {log}"\n')
+            '    params:\n        cli=P.cli,\n        model_dir=lambda w: f"--model-dir {{w.model}}",\n'
+            '        out_dir=lambda w, output: P.parent_dir(output),\n    shell:\n'
+            '        "{params.cli} x --out {output:q} {params.model_dir} {params.out_dir} "\n'
+            '        "--dir {RENDER_DIR} {input.x:q} {log}"\n')
     assert unquoted_placeholders(rule) == [
         "rule foo_bar: {params.model_dir} must be built by " + PRE_QUOTED["params.model_dir"],
+        "rule foo_bar: {params.out_dir} reaches the shell unquoted: use {params.out_dir:q}",
         "rule foo_bar: {RENDER_DIR} reaches the shell unquoted: use {RENDER_DIR:q}",
         "rule foo_bar: {log} reaches the shell unquoted: use {log:q}",
     ]
-    requoted = unquoted_placeholders(rule.replace("{SP}", "{SP:q}"))
-    assert requoted[0] == "rule foo_bar: {SP} is already shell words; do not :q it"
+    requoted = unquoted_placeholders(rule.replace("{params.cli}", "{params.cli:q}"))
+    assert requoted[0] == "rule foo_bar: {params.cli} is already shell words; do not :q it"
+    # a pre-quoted name whose param is built some other way
+    other_cli = unquoted_placeholders(rule.replace("cli=P.cli,", 'cli="python -m specprefetch",'))
+    assert other_cli[0] == "rule foo_bar: {params.cli} must be built by " + PRE_QUOTED["params.cli"]
 
 
 # ---------------------------------------------------------------- the schema's pattern for path-like keys
@@ -240,7 +245,9 @@ def test_pre_quoted_params_are_quoted_shell_words(tmp_path: Path, monkeypatch: p
     cfg = _set(default_cfg, ["models", MODEL, "source"], "local")
     cfg["models"][MODEL]["path"] = str(model_dir)
     cfg["models"][MODEL].pop("pretrain", None)
-    p = Pipeline(cfg, workdir=ROOT)
+    p = Pipeline(cfg, workdir=ROOT, python="/opt/my python/bin/python")
+    assert shlex.split(p.cli_words) == ["/opt/my python/bin/python", "-m", "specprefetch"]
+    assert p.cli(None, input=[]) == p.cli_words  # the rules' `cli` param (a function of the job's input: untracked)
     assert shlex.split(p.model_dir_arg(MODEL)) == ["--model-dir", str(model_dir)]
     assert shlex.split(p.predictor_args(MODEL, ["fate", "oracle"])) == [
         "--predictor", f"fate=results/predictors/{MODEL}/fate",

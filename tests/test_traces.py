@@ -502,8 +502,8 @@ def test_gather_rejects_shards_of_different_traces(smoke_cfg, model_dir, workloa
 def test_sizing_matches_a_real_trace_and_plans_the_paper_profile(smoke_cfg, model_dir, workload_dir, tmp_path):
     """estimate-resources: bytes/token from the config equal a written trace's; tokens are measured from results/."""
     from specprefetch.config import REPO_ROOT, load_config
-    from specprefetch.sizing import TOKEN_META_BYTES, bytes_per_token, estimate, trace_sets
     from specprefetch.traces.extract import extract_traces
+    from specprefetch.traces.sizing import TOKEN_META_BYTES, bytes_per_token, estimate, trace_sets
 
     name, mdir = model_dir
     out = tmp_path / "results" / "traces" / name / "gsm8k"

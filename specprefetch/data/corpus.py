@@ -54,7 +54,7 @@ def derived_seed(corpus_seed: int, source: str, avoid: set[int]) -> int:
 
 
 def _workload_seeds(cfg: dict[str, Any], generator: str) -> set[int]:
-    return {int(w.get("seed", 0)) for w in cfg["workloads"].values() if w["generator"] == generator}
+    return {int(w["seed"]) for w in cfg["workloads"].values() if w["generator"] == generator}
 
 
 def _workload_text_keys(cfg: dict[str, Any]) -> set[str]:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from specprefetch.data.draft import Draft
 from specprefetch.data.synth_chart import generate_chart
 from specprefetch.data.synth_gsm8k import generate_gsm8k
 from specprefetch.data.synth_hallusion import generate_hallusion
 from specprefetch.data.synth_ocr import generate_ocr
-from specprefetch.data.workloads import Draft
 
 GENERATORS: dict[str, Callable[[int, int, int], Draft]] = {
     "gsm8k_synth": generate_gsm8k,

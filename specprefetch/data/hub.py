@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from specprefetch.data.workloads import Draft, seeded_order
+from specprefetch.data.draft import Draft, seeded_order
 from specprefetch.io import SpecPrefetchError
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,8 @@ def map_hallusionbench(rec: dict[str, Any], fmt: Formatter | None = None) -> Dra
     """HallusionBench: gt_answer "1"/"0" -> "Yes"/"No" (the benchmark's yes/no ground truth)."""
     gt = str(rec["gt_answer"]).strip()
     if gt not in ("0", "1"):
-        raise SpecPrefetchError(f"HallusionBench record {rec.get('question_id', '?')}: gt_answer must be '0' or '1', got {gt!r}")
+        raise SpecPrefetchError(f"HallusionBench record {rec.get('question_id', '?')}: "
+                                f"gt_answer must be '0' or '1', got {gt!r}")
     answer = "Yes" if gt == "1" else "No"
     prompt = fmt(rec) if fmt else rec["question"]
     meta = {"answer": answer, "question": rec["question"], "category": str(rec.get("category", "")),

@@ -7,7 +7,7 @@ import importlib.metadata as md
 from pathlib import Path
 from typing import Any
 
-from specprefetch.data.workloads import Draft, seeded_order
+from specprefetch.data.draft import Draft, seeded_order
 from specprefetch.io import SpecPrefetchError, sha256_file
 
 

@@ -116,7 +116,8 @@ def gradient(size: int, c1: RGB, c2: RGB, rng: random.Random) -> Image.Image:
     angle = rng.uniform(0, 2 * np.pi)
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / max(1, size - 1)
     t = (np.cos(angle) * (xx - 0.5) + np.sin(angle) * (yy - 0.5)) / 1.42 + 0.5
-    arr = np.asarray(c1, np.float32)[None, None] * (1 - t[..., None]) + np.asarray(c2, np.float32)[None, None] * t[..., None]
+    arr = (np.asarray(c1, np.float32)[None, None] * (1 - t[..., None])
+           + np.asarray(c2, np.float32)[None, None] * t[..., None])
     return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8), "RGB")
 
 

@@ -21,7 +21,7 @@ import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
-from specprefetch.data.workloads import Draft
+from specprefetch.data.draft import Draft
 
 EXCLUDED_PARTS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3",
                   "ensurepip", "pydoc_data", "turtledemo", "__phello__"}

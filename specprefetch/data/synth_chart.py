@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from specprefetch.data.draft import Draft
 from specprefetch.data.imaging import sample_rng
-from specprefetch.data.workloads import Draft
 
 TITLE_WRAP = 36
 POST_PROMPT = "\nAnswer the question using a single word or phrase."
@@ -198,7 +198,8 @@ def grouped_chart(rng: random.Random) -> dict[str, Any]:
     names = rng.choice(GROUPS)
     vals = draw_values(rng, 2 * k, lo, hi, dec)
     return {"chart_type": "grouped_bar", "title": title, "noun": noun, "unit": unit, "decimals": dec,
-            "categories": cats, "series": [{"name": names[0], "values": vals[:k]}, {"name": names[1], "values": vals[k:]}]}
+            "categories": cats,
+            "series": [{"name": names[0], "values": vals[:k]}, {"name": names[1], "values": vals[k:]}]}
 
 
 def line_chart(rng: random.Random) -> dict[str, Any]:
@@ -245,7 +246,8 @@ def plot_chart(spec: dict[str, Any], rng: random.Random) -> Callable[[Any, Any, 
             colours = [cmap(i % cmap.N) for i in range(len(cats))] if multicolour else single
             if kind == "bar":
                 bars = ax.bar(x, vals, color=colours, width=0.65)
-                ax.set_xticks(x, cats, rotation=30 if max(map(len, cats)) > 5 else 0, ha="right" if max(map(len, cats)) > 5 else "center")
+                ax.set_xticks(x, cats, rotation=30 if max(map(len, cats)) > 5 else 0,
+                              ha="right" if max(map(len, cats)) > 5 else "center")
                 ax.set_ylim(0, max(vals) * 1.18)
             else:
                 bars = ax.barh(x, vals, color=colours, height=0.65)
@@ -261,7 +263,8 @@ def plot_chart(spec: dict[str, Any], rng: random.Random) -> Callable[[Any, Any, 
             for j, ser in enumerate(series):
                 bars = ax.bar(x + (j - 0.5) * w, ser["values"], width=w, label=ser["name"], color=cmap(j * 2 % cmap.N))
                 ax.bar_label(bars, labels=[fmt(v, dec) for v in ser["values"]], fontsize=5 * s, padding=1 * s)
-            ax.set_xticks(x, cats, rotation=30 if max(map(len, cats)) > 5 else 0, ha="right" if max(map(len, cats)) > 5 else "center")
+            ax.set_xticks(x, cats, rotation=30 if max(map(len, cats)) > 5 else 0,
+                          ha="right" if max(map(len, cats)) > 5 else "center")
             top = max(max(ser["values"]) for ser in series)
             ax.set_ylim(0, top * 1.3)
             ax.legend(fontsize=5.5 * s, frameon=False, loc="upper left", ncol=2, handlelength=1, borderaxespad=0.1)
@@ -347,7 +350,8 @@ def ask(spec: dict[str, Any], rng: random.Random) -> tuple[str, str, str]:
         return ("What is the difference between the highest and the lowest value?",
                 fmt(max(vals) - min(vals), dec), "difference")
     if qtype == "diff_pair":
-        return f"What is the difference between {cats[i]} and {cats[j]}?", fmt(abs(vals[i] - vals[j]), dec), "difference"
+        return (f"What is the difference between {cats[i]} and {cats[j]}?",
+                fmt(abs(vals[i] - vals[j]), dec), "difference")
     if qtype == "sum_pair":
         return f"What is the sum of {cats[i]} and {cats[j]}?", fmt(vals[i] + vals[j], dec), "sum"
     if qtype == "average":

@@ -15,8 +15,8 @@ import re
 from collections.abc import Callable
 from fractions import Fraction
 
+from specprefetch.data.draft import Draft
 from specprefetch.data.imaging import sample_rng
-from specprefetch.data.workloads import Draft
 from specprefetch.io import SpecPrefetchError
 
 ANNOTATION = re.compile(r"<<([^=<>]+)=([^<>]+)>>([-0-9.]+)")
@@ -246,7 +246,8 @@ def t_fractions(rng: random.Random) -> tuple[str, str, str]:
         if int(left) % 2:
             raise _Redraw
         given = sol.step("They give half of the rest to a shelter, which is ", f"{n(left)}/2", f" {thing}.")
-        q += f" At closing time they give half of the remaining {thing} to a shelter. How many {thing} does the shelter get?"
+        q += (f" At closing time they give half of the remaining {thing} to a shelter."
+              f" How many {thing} does the shelter get?")
         return q, *sol.finish(given)
     q += f" How many {thing} are left?"
     return q, *sol.finish(left)
@@ -419,7 +420,8 @@ def generate_gsm8k(seed: int, index: int, image_size: int = 0) -> Draft:
         except _Redraw:
             continue
     else:  # pragma: no cover - each template succeeds with high probability per draw
-        raise SpecPrefetchError(f"gsm8k_synth: template {template!r} found no exact problem for seed {seed}, index {index}")
+        raise SpecPrefetchError(f"gsm8k_synth: template {template!r} found no exact problem "
+                                f"for seed {seed}, index {index}")
     checked = verify_gsm8k_solution(solution)
     if checked != answer:
         raise SpecPrefetchError(f"gsm8k_synth: template {template!r} produced answer {answer} but checks {checked}")

@@ -19,8 +19,8 @@ from typing import Any
 from PIL import Image, ImageDraw
 
 from specprefetch.data import imaging as im
+from specprefetch.data.draft import Draft
 from specprefetch.data.synth_ocr import SIGNS
-from specprefetch.data.workloads import Draft
 
 POST_PROMPT = " Please answer yes or no."
 SHAPES = ["circle", "square", "triangle", "star"]
@@ -46,7 +46,8 @@ def _draw_obj(draw: ImageDraw.ImageDraw, o: Obj, size: int) -> None:
         s = r * 0.9
         draw.rectangle([cx - s, cy - s, cx + s, cy + s], fill=fill, outline=outline, width=1)
     elif o.shape == "triangle":
-        draw.polygon([(cx, cy - r), (cx - r * 0.95, cy + r * 0.8), (cx + r * 0.95, cy + r * 0.8)], fill=fill, outline=outline)
+        draw.polygon([(cx, cy - r), (cx - r * 0.95, cy + r * 0.8), (cx + r * 0.95, cy + r * 0.8)],
+                     fill=fill, outline=outline)
     else:  # five-pointed star
         pts = []
         for k in range(10):
@@ -136,7 +137,8 @@ def q_position(rng: random.Random, size: int, yes: bool) -> Result:
         rel = "above"
     if truth != yes:
         a, b = b, a
-    return _shapes_image(objs, size, rng), f"Is the {_name(a)} {rel} the {_name(b)}?", {"objects": [o.__dict__ for o in objs]}
+    return (_shapes_image(objs, size, rng), f"Is the {_name(a)} {rel} the {_name(b)}?",
+            {"objects": [o.__dict__ for o in objs]})
 
 
 def q_size(rng: random.Random, size: int, yes: bool) -> Result:
@@ -171,7 +173,8 @@ TABLES = [
 ]
 
 
-def _table_image(title: str, header: tuple[str, str], rows: list[tuple[str, int]], size: int, rng: random.Random) -> Image.Image:
+def _table_image(title: str, header: tuple[str, str], rows: list[tuple[str, int]], size: int,
+                 rng: random.Random) -> Image.Image:
     img = Image.new("RGB", (size, size), im.jitter((252, 252, 250), rng, 3))
     draw = ImageDraw.Draw(img)
     n = len(rows) + 1
@@ -198,7 +201,8 @@ def q_table(rng: random.Random, size: int, yes: bool) -> Result:
     names = rng.sample(pool, rng.randint(3, 5))
     values = rng.sample(range(lo, hi + 1), len(names))
     rows = list(zip(names, values))
-    title = {"City": "City populations", "Team": "League table", "Product": "Price list", "Student": "Exam results"}[key]
+    titles = {"City": "City populations", "Team": "League table", "Product": "Price list", "Student": "Exam results"}
+    title = titles[key]
     img = _table_image(title, (key, col), rows, size, rng)
     kind = rng.choice(["compare", "lookup", "absent"] if not yes else ["compare", "lookup", "max"])
     measure = {"Points": "number of points"}.get(col, col.split(" (")[0].lower())
@@ -218,7 +222,8 @@ def q_table(rng: random.Random, size: int, yes: bool) -> Result:
         a = rng.choice([p for p in pool if p not in names])
         b, _ = rng.choice(rows)
         q = f"According to the table, is the {measure} of {a} higher than that of {b}?"
-    return img, q, {"table": {"header": [key, col], "rows": [[n_, v] for n_, v in rows]}, "false_premise": kind == "absent"}
+    return img, q, {"table": {"header": [key, col], "rows": [[n_, v] for n_, v in rows]},
+                    "false_premise": kind == "absent"}
 
 
 def q_bars(rng: random.Random, size: int, yes: bool) -> Result:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from PIL import Image, ImageDraw, ImageFilter
 
 from specprefetch.data import imaging as im
-from specprefetch.data.workloads import Draft
+from specprefetch.data.draft import Draft
 
 WORDS = (
     "garden river coffee window market winter summer harbor silver planet forest bridge castle museum "
@@ -81,7 +81,8 @@ def regular_text(rng: random.Random, size: int) -> tuple[Image.Image, str, str, 
 def irregular_text(rng: random.Random, size: int) -> tuple[Image.Image, str, str, str]:
     """A curved (badge, stamp) or strongly rotated word over a scene."""
     text = _word_case(rng, rng.choice(WORDS)).upper() if rng.random() < 0.6 else _word_case(rng, rng.choice(WORDS))
-    img = im.scene_background(size, rng) if rng.random() < 0.5 else im.noise_texture(size, im.random_colour(rng, 150, 250), rng, 10)
+    img = (im.scene_background(size, rng) if rng.random() < 0.5
+           else im.noise_texture(size, im.random_colour(rng, 150, 250), rng, 10))
     ink = im.NAMED_COLOURS[rng.choice(["red", "blue", "black", "green", "purple", "brown"])]
     if rng.random() < 0.6:
         cx, cy = size / 2, size / 2
@@ -162,7 +163,8 @@ def digit_string(rng: random.Random, size: int) -> tuple[Image.Image, str, str, 
     panel = im.jitter((235, 235, 230), rng, 15) if kind != "meter" else (20, 20, 20)
     ink = (15, 15, 15) if kind != "meter" else im.jitter((240, 240, 240), rng, 8)
     x0, y0, x1, y1 = size * 0.06, size * 0.3, size * 0.94, size * 0.7
-    draw.rounded_rectangle([x0, y0, x1, y1], radius=size // 30, fill=panel, outline=(60, 60, 60), width=max(1, size // 110))
+    draw.rounded_rectangle([x0, y0, x1, y1], radius=size // 30, fill=panel, outline=(60, 60, 60),
+                           width=max(1, size // 110))
     small = im.load_font(im.FONTS["sans_bold"][0], max(7, int(size * 0.07)))
     draw.text((x0 + size * 0.03, y0 + size * 0.02), label, font=small, fill=ink)
     font = im.fit_font(im.pick_font_file(rng, rng.choice(["mono_bold", "sans_bold"]), text), text,
@@ -179,7 +181,8 @@ def non_semantic(rng: random.Random, size: int) -> tuple[Image.Image, str, str, 
     img = im.noise_texture(size, bg, rng, strength=10, cells=4)
     font = im.fit_font(im.pick_font_file(rng, rng.choice(["sans", "serif", "mono"]), text), text,
                        size * 0.8, size * 0.3, int(size * 0.2))
-    im.paste_center(img, im.text_layer(text, font, im.contrasting(bg, rng)), size / 2, size / 2, angle=rng.uniform(-6, 6))
+    im.paste_center(img, im.text_layer(text, font, im.contrasting(bg, rng)), size / 2, size / 2,
+                    angle=rng.uniform(-6, 6))
     return img, rng.choice(REGULAR_QUESTIONS), text, "Non-Semantic Text Recognition"
 
 
@@ -263,7 +266,8 @@ def receipt(rng: random.Random, size: int) -> tuple[Image.Image, str, str, str]:
     font = im.fit_font(im.FONTS["mono"][0], text, size * 0.8, size * 0.8, int(size * 0.075), min_size=6)
     layer = im.text_layer(text, font, im.jitter((35, 35, 40), rng, 10), spacing=max(1, size // 110))
     pad = int(size * 0.04)
-    paper = Image.new("RGBA", (layer.width + 2 * pad, layer.height + 2 * pad), im.jitter((250, 249, 242), rng, 4) + (255,))
+    paper = Image.new("RGBA", (layer.width + 2 * pad, layer.height + 2 * pad),
+                      im.jitter((250, 249, 242), rng, 4) + (255,))
     paper.paste(layer, (pad, pad), layer)
     im.paste_center(img, paper, size / 2, size / 2, angle=rng.uniform(-4, 4))
     kind = rng.random()

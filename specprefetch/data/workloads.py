@@ -18,6 +18,7 @@ from typing import Any
 from tqdm import tqdm
 
 from specprefetch.contracts import read_doc, read_jsonl, reraise_as
+from specprefetch.data.draft import Draft, seeded_order
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance, sha256_file
 
 log = logging.getLogger(__name__)
@@ -95,16 +96,6 @@ class Sample:
                    image=image, split=obj["split"], source=obj["source"], meta=meta)
 
 
-@dataclass(frozen=True)
-class Draft:
-    """What a generator or hub mapper produces for one sample before ids, paths and sources are assigned."""
-
-    prompt: str
-    reference: str
-    meta: dict[str, Any] = field(default_factory=dict)
-    image: Any = None  # PIL.Image.Image or None
-
-
 def _check_relative(image: str, where: str) -> None:
     p = PurePosixPath(image)
     if p.is_absolute() or ".." in p.parts or "\\" in image or not image:
@@ -162,7 +153,8 @@ def read_workload(root: Path, verify: bool = True) -> list[Sample]:
         digest = sha256_file(path)
         if digest != manifest.get("samples_sha256"):
             raise WorkloadError(
-                f"{path}: sha256 {digest[:12]}... does not match manifest ({str(manifest.get('samples_sha256'))[:12]}...);"
+                f"{path}: sha256 {digest[:12]}... does not match manifest "
+                f"({str(manifest.get('samples_sha256'))[:12]}...);"
                 " the file was modified or truncated, re-run prepare-workload")
     samples = read_samples_jsonl(path, image_root=root)
     if manifest.get("n_samples") != len(samples):
@@ -250,15 +242,6 @@ def assemble(drafts: Sequence[Draft], prefix: str, benchmark: str, split: str,
     return samples, images
 
 
-def seeded_order(n_total: int, n: int | None, seed: int) -> list[int]:
-    """The first ``n`` indices of a seeded permutation of range(n_total) (all of them if n is None or larger)."""
-    import random
-
-    order = list(range(n_total))
-    random.Random(f"specprefetch/order/{seed}").shuffle(order)
-    return order if n is None or n >= n_total else order[:n]
-
-
 # ------------------------------------------------------------------------------------------ preparing
 def generate_drafts(generator: str, seed: int, n: int, image_size: int, desc: str = "") -> list[Draft]:
     """Drafts 0..n-1 of a synthetic generator; sample i depends only on (generator, seed, i)."""
@@ -281,7 +264,7 @@ def prepare_workload(cfg: dict[str, Any], name: str, out_dir: Path) -> None:
     """Build workload ``name`` of ``cfg`` into ``out_dir`` (atomic), dispatching on its ``generator``."""
     w = workload_config(cfg, name)
     generator = w["generator"]
-    seed = int(w.get("seed", cfg.get("seed", 0)))
+    seed = int(w["seed"])
     size = int(cfg["image"]["size"])
     n = w.get("n_samples")
     lm_task = w.get("lm_eval_task")

@@ -139,7 +139,7 @@ def check_routing_matches(spec: RoutingSpec, mcfg: dict[str, Any], model_name: s
         ("hidden_size", spec.hidden_size, int(mcfg["hidden_size"])),
         ("num_hidden_layers", spec.num_hidden_layers, int(mcfg["num_hidden_layers"])),
         ("first_dense_layers", spec.n_layers, n_moe_layers(mcfg)),
-        ("n_shared_experts", spec.n_shared_experts, int(mcfg.get("n_shared_experts", 0))),
+        ("n_shared_experts", spec.n_shared_experts, int(mcfg["n_shared_experts"])),
     ]
     for name, found, want in checks:
         if found != want:
@@ -158,7 +158,7 @@ def _load_stand_in_bundle(name: str, mcfg: dict[str, Any], path: Path, device: t
 
 def _dtype(mcfg: dict[str, Any]) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        mcfg.get("torch_dtype", "float32")]
+        mcfg["torch_dtype"]]
 
 
 def _hub_error(mcfg: dict[str, Any], name: str, exc: BaseException) -> ModelLoadError:
@@ -202,7 +202,7 @@ def _load_hf_bundle(name: str, mcfg: dict[str, Any], local: Path | None, device:
         check_local_checkpoint(local, mcfg, name)
     common: dict[str, Any] = {"dtype": _dtype(mcfg)}
     if local is None:
-        common["revision"] = mcfg.get("revision", "main")
+        common["revision"] = mcfg["revision"]
     if mcfg.get("device_map"):
         common["device_map"] = mcfg["device_map"]
     processor = None

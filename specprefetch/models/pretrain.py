@@ -144,7 +144,8 @@ def approx_tokens(sample: Any) -> int:
     return text // 4 + (64 if getattr(sample, "image", None) else 0)
 
 
-def batch_plan(lengths: Sequence[int], steps: int, batch_size: int, seed: int, pool_batches: int = 16) -> list[list[int]]:
+def batch_plan(lengths: Sequence[int], steps: int, batch_size: int, seed: int,
+               pool_batches: int = 16) -> list[list[int]]:
     """Sample indices of every step: seeded epoch-wise shuffles, cut into pools of ``pool_batches`` batches,
     each pool sorted by length and split into batches (less padding), the pool's batches in seeded order."""
     gen = torch.Generator().manual_seed(seed)
@@ -177,10 +178,10 @@ def train_steps(bundle: ModelBundle, samples: Sequence[Any], root: Path, pcfg: d
     """Run ``pcfg["steps"]`` optimizer steps over seeded epoch-wise shuffles of ``samples``; the loss curve."""
     model, spec = bundle.model, bundle.routing
     steps, bs, seq_len = int(pcfg["steps"]), int(pcfg["batch_size"]), int(pcfg["seq_len"])
-    coef = float(pcfg.get("aux_loss_coef", 0.0))
+    coef = float(pcfg["aux_loss_coef"])
     router_lr_mult = ROUTER_LR_MULT if router_lr_mult is None else router_lr_mult
     opt = torch.optim.AdamW(param_groups(model, spec, float(pcfg["lr"]), router_lr_mult), betas=ADAMW_BETAS)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(int(pcfg.get("warmup_steps", 0)), steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(int(pcfg["warmup_steps"]), steps))
     plan = batch_plan([approx_tokens(s) for s in samples], steps, bs, int(pcfg["seed"]))
     pad_id = bundle.meta["special_token_ids"]["<|pad|>"]
     curve: list[dict[str, float]] = []
@@ -215,7 +216,8 @@ def train_steps(bundle: ModelBundle, samples: Sequence[Any], root: Path, pcfg: d
 @torch.no_grad()
 def evaluate_routing(bundle: ModelBundle, samples: Sequence[Any], root: Path, max_length: int) -> dict[str, Any]:
     """Held-out LM loss and routing quality: per-layer token entropy, softmax mass of the executed top-K,
-    load histogram, max load share, and FATE recall@K (layer l+1's gate on layer l's router input, top-K, vs the executed experts)."""
+    load histogram, max load share, and FATE recall@K (layer l+1's gate on layer l's router input, top-K,
+    vs the executed experts)."""
     model, spec = bundle.model, bundle.routing
     n, k, n_l = spec.n_experts, spec.top_k, spec.n_layers
     load = torch.zeros(n_l, n, dtype=torch.float64)

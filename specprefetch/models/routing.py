@@ -333,7 +333,8 @@ def _discover_mixtral(model: nn.Module) -> RoutingSpec:
     c = model.config
     idx = list(range(c.num_hidden_layers))  # every Mixtral layer is MoE
     return RoutingSpec(
-        arch="mixtral", moe_layers=idx, gates=_gates_at(_layers_of(dec, "mixtral"), idx, m.MixtralTopKRouter, "mixtral"),
+        arch="mixtral", moe_layers=idx,
+        gates=_gates_at(_layers_of(dec, "mixtral"), idx, m.MixtralTopKRouter, "mixtral"),
         n_experts=c.num_local_experts, top_k=c.num_experts_per_tok, hidden_size=c.hidden_size, scoring="softmax",
         n_shared_experts=0, norm_topk_prob=True, native_logits_dtype=True, num_hidden_layers=c.num_hidden_layers,
     )

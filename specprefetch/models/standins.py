@@ -148,11 +148,11 @@ def qwen3_vl_moe_config(mcfg: dict[str, Any], image_cfg: dict[str, Any], ids: di
 
     d = int(mcfg["hidden_size"])
     heads, kv, head_dim = _heads(d)
-    first_dense = int(mcfg.get("first_dense_layers", 0))
+    first_dense = int(mcfg["first_dense_layers"])
     n_layers = int(mcfg["num_hidden_layers"])
-    if int(mcfg.get("n_shared_experts", 0)):
+    if int(mcfg["n_shared_experts"]):
         raise StandInError("qwen3_vl_moe has no shared experts: set n_shared_experts: 0")
-    max_pos = 4 * max(int(mcfg["max_length"]), int(mcfg.get("pretrain", {}).get("seq_len", 0)))
+    max_pos = 4 * max(int(mcfg["max_length"]), int(mcfg["pretrain"]["seq_len"]))
     g = _image_grid_side(image_cfg)
     text = dict(
         vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=n_layers,
@@ -162,7 +162,7 @@ def qwen3_vl_moe_config(mcfg: dict[str, Any], image_cfg: dict[str, Any], ids: di
         max_position_embeddings=max_pos, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope_section(head_dim),
                          "mrope_interleaved": True},
-        router_aux_loss_coef=float(mcfg.get("pretrain", {}).get("aux_loss_coef", 0.0)),
+        router_aux_loss_coef=float(mcfg["pretrain"]["aux_loss_coef"]),
         pad_token_id=ids["<|pad|>"], bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|endoftext|>"],
     )
     vision = dict(
@@ -296,15 +296,15 @@ def deepseek_language_config(mcfg: dict[str, Any], ids: dict[str, int], vocab: i
     d = int(mcfg["hidden_size"])
     heads, _, head_dim = _heads(d)
     rope = max(4, head_dim // 2)
-    max_pos = 4 * max(int(mcfg["max_length"]), int(mcfg.get("pretrain", {}).get("seq_len", 0)))
+    max_pos = 4 * max(int(mcfg["max_length"]), int(mcfg["pretrain"]["seq_len"]))
     return DeepseekV2Config(
         vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=int(mcfg["num_hidden_layers"]),
         num_attention_heads=heads, num_key_value_heads=heads,
         # MLA dims, small: compressed KV of width d/4, no q compression (as DeepSeek-VL2-Tiny, q_lora_rank None)
         kv_lora_rank=max(8, d // 4), q_lora_rank=None, qk_nope_head_dim=head_dim - rope, qk_rope_head_dim=rope,
         v_head_dim=head_dim, n_routed_experts=int(mcfg["n_experts"]),
-        n_shared_experts=int(mcfg.get("n_shared_experts", 0)), num_experts_per_tok=int(mcfg["top_k"]),
-        moe_intermediate_size=moe_intermediate_size(d), first_k_dense_replace=int(mcfg.get("first_dense_layers", 0)),
+        n_shared_experts=int(mcfg["n_shared_experts"]), num_experts_per_tok=int(mcfg["top_k"]),
+        moe_intermediate_size=moe_intermediate_size(d), first_k_dense_replace=int(mcfg["first_dense_layers"]),
         topk_method="greedy", n_group=None, topk_group=None, routed_scaling_factor=1.0, norm_topk_prob=False,
         max_position_embeddings=max_pos, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

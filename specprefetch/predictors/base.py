@@ -149,12 +149,6 @@ def sample_runs(sample_index: Tensor) -> tuple[Tensor, Tensor]:
     return starts, counts
 
 
-def run_ids(sample_index: Tensor) -> Tensor:
-    """[T] ordinal of each token's run (0..G-1): the group id used for batch-level aggregation."""
-    _, inverse = torch.unique_consecutive(sample_index, return_inverse=True)
-    return inverse
-
-
 def check_sample_contiguous(batch: Batch, who: str) -> None:
     """Methods that look at other tokens of a sample need each sample's tokens contiguous and in order.
 
@@ -172,10 +166,6 @@ def check_sample_contiguous(batch: Batch, who: str) -> None:
     starts, _ = sample_runs(sidx)
     if torch.unique(sidx).numel() != starts.numel():
         raise PredictorError(f"{who} needs each sample's tokens contiguous in the batch (a sample appears twice)")
-
-
-def batch_device(batch: Batch) -> torch.device:
-    return batch["token_ids"].device
 
 
 # --------------------------------------------------------------------------------------------- the base class

@@ -187,11 +187,11 @@ class OnlineChunks(IterableDataset):
         self.seed = int(seed)
         self.shuffle = shuffle
         self.epoch = 0
-        self.mode = traces_cfg.get("mode", "teacher_forced")
-        self.max_new_tokens = int(traces_cfg.get("max_new_tokens", 0))
-        self.input_dtype = dtype_from_name(traces_cfg.get("input_dtype", "bfloat16"), INPUT_DTYPES,
+        self.mode = traces_cfg["mode"]
+        self.max_new_tokens = int(traces_cfg["max_new_tokens"])
+        self.input_dtype = dtype_from_name(traces_cfg["input_dtype"], INPUT_DTYPES,
                                            "traces.input_dtype")
-        self.logits_dtype = dtype_from_name(traces_cfg.get("logits_dtype", "float32"), LOGITS_DTYPES,
+        self.logits_dtype = dtype_from_name(traces_cfg["logits_dtype"], LOGITS_DTYPES,
                                             "traces.logits_dtype")
         self._encode = encode_sample
         for p in bundle.model.parameters():

@@ -9,7 +9,7 @@ when there is one, the quantity (which selects its diff tolerance), and the exac
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,5 +165,3 @@ def pm(mean: float | None, std: float | None, decimals: int, sign: bool = False,
     return f"${m}\\pm {s}$" if math_mode else f"{m} ± {s}"
 
 
-def cells_index(docs: Iterable[TableDoc]) -> dict[tuple[str, str], Cell]:
-    return {(d.name, c.id): c for d in docs for c in d.cells}

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from specprefetch.contracts import ContractError, read_csv
+from specprefetch.contracts import check_csv, reraise_as
 from specprefetch.io import SpecPrefetchError, atomic_path
 from specprefetch.render.targets import RESULT_PATHS
 
@@ -29,150 +29,27 @@ class RenderInputError(SpecPrefetchError):
     """A result CSV (or the config it is rendered with) is missing or malformed; the message names file and column."""
 
 
-@dataclass(frozen=True)
-class Column:
-    """One column of a CSV contract: kind is str, int, float or bool; optional allowed values and range."""
-
-    name: str
-    kind: str = "str"
-    allowed: tuple[str, ...] | None = None
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    nullable: bool = False
-
-
-POLICIES = ("off", "pred0", "specprefetch", "naive", "fate", "resident")
-STORAGES = ("nvme_cold", "nvme", "ufs", "slow_ufs", "sdcard", "ram")
-EXPERIMENT_NAMES = ("main", "matched", "sweep", "storage", "component")
-MODES = ("resident", "on_demand")
-COMPONENTS = ("attention", "router", "expert_load", "moe_compute", "other")
-
-CONTRACTS: dict[str, tuple[Column, ...]] = {
-    "recall": (
-        Column("model"), Column("workload"), Column("method"), Column("M", "int", lo=1),
-        Column("expert_recall", "float", lo=0.0, hi=1.0), Column("n_tokens", "int", lo=0),
-    ),
-    "per_layer": (
-        Column("model"), Column("workload"), Column("method"), Column("M", "int", lo=1),
-        Column("layer", "int", lo=0), Column("expert_recall", "float", lo=0.0, hi=1.0),
-    ),
-    "params": (Column("model"), Column("method"), Column("trainable_params", "int", lo=0)),
-    "runs": (
-        Column("platform"), Column("model"), Column("experiment", allowed=EXPERIMENT_NAMES),
-        Column("policy", allowed=POLICIES), Column("storage", allowed=STORAGES),
-        Column("m_max", "int", lo=0, nullable=True), Column("compute_opt", "bool"), Column("repeat", "int", lo=0),
-        Column("tokens_per_s", "float", lo=0.0, lo_open=True), Column("ready_recall", "float", lo=0.0, hi=1.0,
-                                                                        nullable=True),
-        Column("source"),
-    ),
-    "window": (
-        Column("platform"), Column("model"), Column("layer", "int", lo=0), Column("window_ms", "float", lo=0.0),
-        Column("transfer_ms", "float", lo=0.0, lo_open=True), Column("m_max", "int", lo=0),
-    ),
-    "window_events": (
-        Column("platform"), Column("model"), Column("layer", "int", lo=0), Column("M", "int", lo=1),
-        Column("demand_ms", "float", lo=0.0), Column("window_ms", "float", lo=0.0),
-    ),
-    "latency": (
-        Column("platform"), Column("model"), Column("mode", allowed=MODES), Column("layer", "int", lo=0),
-        Column("component", allowed=COMPONENTS), Column("ms", "float", lo=0.0),
-    ),
-}
-
 # Where each contract's file lives in the pipeline (for error messages and CLI defaults).
 DEFAULT_PATHS = RESULT_PATHS
 
-_TRUE = {"true", "1", "yes", "t", "y"}
-_FALSE = {"false", "0", "no", "f", "n"}
-
-
-def _bad(path: Path, column: str, index: int, value: Any, why: str) -> RenderInputError:
-    # index is the 0-based data row; the header is line 1 of the file.
-    return RenderInputError(f"{path}: column {column!r}, line {index + 2}: value {value!r} {why}")
-
-
-def _coerce(df: pd.DataFrame, col: Column, path: Path) -> pd.Series:
-    raw = df[col.name]
-    missing = raw.isna() | (raw.astype(str).str.strip() == "")
-    if missing.any() and not col.nullable:
-        i = int(np.flatnonzero(missing.to_numpy())[0])
-        raise _bad(path, col.name, i, "", "is empty (the column must be filled on every line)")
-    if col.kind == "str":
-        out = raw.astype(str).str.strip()
-        if col.allowed is not None:
-            bad = ~out.isin(col.allowed)
-            if bad.any():
-                i = int(np.flatnonzero(bad.to_numpy())[0])
-                raise _bad(path, col.name, i, out.iloc[i], f"is not one of {', '.join(col.allowed)}")
-        return out
-    if col.kind == "bool":
-        text = raw.astype(str).str.strip().str.lower()
-        ok = text.isin(_TRUE | _FALSE)
-        if not ok.all():
-            i = int(np.flatnonzero((~ok).to_numpy())[0])
-            raise _bad(path, col.name, i, raw.iloc[i], "is not a boolean (true/false)")
-        return text.isin(_TRUE)
-    num = pd.to_numeric(raw.where(~missing), errors="coerce")
-    bad = num.isna() & ~missing
-    if bad.any():
-        i = int(np.flatnonzero(bad.to_numpy())[0])
-        raise _bad(path, col.name, i, raw.iloc[i], "is not a number")
-    if col.kind == "int":
-        frac = (num.dropna() % 1 != 0)
-        if frac.any():
-            i = df.index.get_loc(frac[frac].index[0])
-            raise _bad(path, col.name, i, raw.iloc[i], "is not an integer")
-        num = num.astype("Int64") if col.nullable else num.astype(np.int64)
-    else:
-        num = num.astype(float)
-        inf = np.isinf(num.to_numpy(dtype=float, na_value=0.0))
-        if inf.any():
-            i = int(np.flatnonzero(inf)[0])
-            raise _bad(path, col.name, i, raw.iloc[i], "is not finite")
-    values = num.astype(float)
-    if col.lo is not None:
-        low = (values <= col.lo) if col.lo_open else (values < col.lo)
-        if low.fillna(False).any():
-            i = int(np.flatnonzero(low.fillna(False).to_numpy())[0])
-            rel = ">" if col.lo_open else ">="
-            raise _bad(path, col.name, i, raw.iloc[i], f"is out of range (must be {rel} {col.lo:g})")
-    if col.hi is not None:
-        high = (values > col.hi).fillna(False)
-        if high.any():
-            i = int(np.flatnonzero(high.to_numpy())[0])
-            raise _bad(path, col.name, i, raw.iloc[i], f"is out of range (must be <= {col.hi:g})")
-    return num
-
-
 def read_result_csv(path: str | Path, contract: str) -> pd.DataFrame:
-    """Read one result CSV and check it against ``CONTRACTS[contract]``; extra columns are kept untouched.
-
-    Raises RenderInputError when the file is missing, empty, lacks a column, or has a bad value; the message names
-    the file, the column and the line.
-    """
-    if contract not in CONTRACTS:
-        raise ValueError(f"unknown CSV contract {contract!r}")
+    """Read one result CSV and check it against ``contracts.CSV_CONTRACTS[contract]`` (columns, types, ranges,
+    allowed values; extra columns are kept untouched). Raises RenderInputError naming the file, column and line."""
     path = Path(path)
     if not path.is_file():
         raise RenderInputError(f"{path}: file not found (the {contract} results, expected at "
                                f"{DEFAULT_PATHS[contract]} in a pipeline run)")
-    try:
-        df = read_csv(path, (), f"{contract} results CSV", dtype=str, keep_default_na=False, na_values=[""])
-    except ContractError as exc:
-        raise RenderInputError(str(exc)) from None
-    df.columns = [str(c).strip() for c in df.columns]
-    cols = CONTRACTS[contract]
-    missing = [c.name for c in cols if c.name not in df.columns]
+    with reraise_as(RenderInputError):
+        return check_csv(path, contract)
+
+
+def require_inputs(name: str, needed: Sequence[str], inputs: Mapping[str, Path | str]) -> dict[str, Path | str]:
+    """The inputs a table or figure needs, all given (else one line naming the first missing flag)."""
+    missing = [k for k in needed if k not in inputs]
     if missing:
-        raise RenderInputError(f"{path}: missing column(s) {', '.join(repr(m) for m in missing)} "
-                               f"(the {contract} contract needs {', '.join(c.name for c in cols)})")
-    if df.empty:
-        raise RenderInputError(f"{path}: has a header but no rows")
-    df = df.reset_index(drop=True)
-    for col in cols:
-        df[col.name] = _coerce(df, col, path)
-    return df
+        raise RenderInputError(f"{name}: needs input(s) {', '.join(missing)} (e.g. --{missing[0].replace('_', '-')}"
+                               " PATH)")
+    return dict(inputs)
 
 
 def archive_inputs(paths: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
@@ -324,16 +201,16 @@ def select_device(runs: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any]) 
     - source: measured if present, else the only one (measured and simulated rows of one platform must not be
       paired with each other).
     """
-    dev = (cfg.get("render") or {}).get("device") or {}
+    dev = cfg["render"]["device"]
     measured = runs["source"] == "measured"
-    platform = choose_one(runs, "platform", dev.get("platform"), path, "the device tables and figures", measured)
+    platform = choose_one(runs, "platform", dev["platform"], path, "the device tables and figures", measured)
     sub = runs[runs["platform"] == platform]
-    wanted = dev.get("model")
+    wanted = dev["model"]
     if wanted is None and sub["model"].nunique() > 1:
         wanted = next((m for m in _preferred_models(cfg) if m in set(sub["model"])), None)
     model = choose_one(sub, "model", wanted, path, f"platform {platform!r}")
     sub = sub[sub["model"] == model]
-    source = dev.get("source")
+    source = dev["source"]
     if source is None and sub["source"].nunique() > 1 and "measured" in set(sub["source"]):
         source = "measured"
     source = choose_one(sub, "source", source, path, f"platform {platform!r}, model {model!r}")

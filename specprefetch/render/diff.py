@@ -35,29 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from specprefetch.contracts import ContractError, read_doc
 from specprefetch.io import SpecPrefetchError
 from specprefetch.render.cells import TABLE_FORMAT, Cell, TableDoc, read_table_doc
 
 log = logging.getLogger(__name__)
-
-# Built-in defaults (overridden by render.tolerances.default and per-table entries). Recall is deterministic given
-# the seeds, so tight; timings are noisy on shared CPUs, so loose; parameter counts are exact.
-DEFAULT_TOLERANCES: dict[str, dict[str, float | bool]] = {
-    "recall": {"abs": 0.5},
-    "params": {"abs": 0.0},
-    "m_max": {"abs": 0.0},
-    "throughput": {"rel": 0.5},
-    "gain": {"abs": 10.0},
-    "ready_recall": {"abs": 5.0},
-    "latency_ms": {"rel": 1.0},
-    "window_ms": {"rel": 1.0},
-    "demand_ms": {"rel": 1.0},
-    "exceed_pct": {"abs": 25.0},
-    "share_pct": {"abs": 20.0},
-}
-
 
 class DiffError(SpecPrefetchError):
     """Inputs of diff-tables are unusable (no table JSON, malformed tolerances)."""
@@ -80,32 +62,25 @@ class Tolerance:
         return " or ".join(parts) or "exact"
 
 
-def _tolerance(spec: Any, where: str) -> Tolerance:
-    if not isinstance(spec, Mapping) or not set(spec) <= {"abs", "rel", "ignore"}:
-        raise DiffError(f"{where}: a tolerance is a mapping with abs, rel and/or ignore, got {spec!r}")
-    try:
-        tol = Tolerance(float(spec.get("abs", 0.0)), float(spec.get("rel", 0.0)), bool(spec.get("ignore", False)))
-    except (TypeError, ValueError):
-        raise DiffError(f"{where}: abs/rel must be numbers, got {spec!r}") from None
-    if tol.abs < 0 or tol.rel < 0:
-        raise DiffError(f"{where}: tolerances must be >= 0, got {spec!r}")
-    return tol
-
-
 class Tolerances:
-    """Resolve the tolerance of (table, quantity): per-table entry, then ``default``, then the built-in default."""
+    """Resolve the tolerance of (table, quantity): the table's own entry, else ``default``'s.
+
+    The spec is ``render.tolerances`` as validated with the schema, which holds the defaults of ``default`` (exact
+    parameter counts, tight recall, loose timings) and of every entry's ``abs``/``rel``/``ignore``.
+    """
 
     def __init__(self, spec: Mapping[str, Any] | None = None, where: str = "render.tolerances") -> None:
-        spec = dict(spec or {})
-        self.table: dict[str, dict[str, Tolerance]] = {}
-        for table, per_q in spec.items():
-            if not isinstance(per_q, Mapping):
-                raise DiffError(f"{where}.{table}: expected quantity -> tolerance, got {per_q!r}")
-            self.table[table] = {q: _tolerance(t, f"{where}.{table}.{q}") for q, t in per_q.items()}
-        self.builtin = {q: _tolerance(t, f"built-in {q}") for q, t in DEFAULT_TOLERANCES.items()}
+        from specprefetch.config import ConfigError, section_defaults
+
+        try:
+            spec = section_defaults("render", {"tolerances": dict(spec or {})})["tolerances"]
+        except ConfigError as exc:
+            raise DiffError(f"{where}: {exc}") from None
+        self.table = {table: {q: Tolerance(float(t["abs"]), float(t["rel"]), bool(t["ignore"]))
+                              for q, t in per_q.items()} for table, per_q in spec.items()}
 
     def get(self, table: str, quantity: str) -> Tolerance:
-        for scope in (self.table.get(table, {}), self.table.get("default", {}), self.builtin):
+        for scope in (self.table.get(table, {}), self.table["default"]):
             if quantity in scope:
                 return scope[quantity]
         return Tolerance()
@@ -123,7 +98,7 @@ class Tolerances:
             elif isinstance(raw, Mapping) and "tolerances" in raw:
                 raw = raw["tolerances"]
             return Tolerances(raw, f"{path}: tolerances")
-        return Tolerances(((cfg or {}).get("render") or {}).get("tolerances"))
+        return Tolerances(cfg["render"]["tolerances"] if cfg is not None else None)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from specprefetch.render.data import (  # noqa: E402
     mean_std,
     paired_gains,
     read_result_csv,
+    require_inputs,
     require_rows,
     select_device,
     summarize,
@@ -50,10 +51,9 @@ from specprefetch.render.style import (  # noqa: E402
     paper_rc,
     storage_label,
 )
-from specprefetch.render.tables import model_budgets, render_settings  # noqa: E402
+from specprefetch.render.tables import model_budgets  # noqa: E402
 
 log = logging.getLogger(__name__)
-DEFAULT_WINDOW_CANDIDATES = (2, 4, 8)
 
 
 @dataclass
@@ -141,7 +141,7 @@ def figure_latency(latency: pd.DataFrame, cfg: Mapping[str, Any]) -> FigureResul
 def figure_window(window: pd.DataFrame, events: pd.DataFrame, cfg: Mapping[str, Any],
                   events_path: Path | str = "window_events.csv") -> FigureResult:
     """Prefetch window vs candidate transfer demand per layer; legend gives % of events over the window per M."""
-    candidates = tuple(render_settings(cfg).get("window_candidates") or DEFAULT_WINDOW_CANDIDATES)
+    candidates = tuple(cfg["render"]["window_candidates"])
     summ = window_summary(window, events, events_path, candidates)
     overall = window_exceed_overall(events, candidates)
     order = {m: i for i, m in enumerate(cfg.get("models") or {})}  # the config's (the paper's) model order
@@ -207,7 +207,7 @@ def _one_storage(rows: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any], w
     storages = sorted(rows["storage"].unique())
     if len(storages) == 1:
         return rows
-    cold = render_settings(cfg)["device"]["cold_storage"]
+    cold = cfg["render"]["device"]["cold_storage"]
     if cold not in storages:
         raise RenderInputError(f"{path}: {what} has rows on several storages ({', '.join(storages)}) and none on "
                                f"render.device.cold_storage={cold!r}")
@@ -392,7 +392,7 @@ def figure_recall_per_layer(per_layer: pd.DataFrame, cfg: Mapping[str, Any],
             ax.set_ylabel(f"R@{mk} (%)")
             ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         axes[-1, 0].set_xlabel("Target MoE layer $l+1$")
-        handles, labels = {}, {}
+        handles = {}
         for ax in axes[:, 0]:
             for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
                 handles.setdefault(lab, h)
@@ -463,10 +463,7 @@ def render_figure(name: str, cfg: Mapping[str, Any], inputs: Mapping[str, Path |
     if name not in FIGURES:
         raise RenderInputError(f"unknown figure {name!r}; choose from {', '.join(FIGURES)}")
     spec = FIGURES[name]
-    missing = [k for k in spec.inputs if k not in inputs]
-    if missing:
-        raise RenderInputError(f"{name}: needs input(s) {', '.join(missing)} (e.g. --{missing[0].replace('_', '-')}"
-                               " PATH)")
+    inputs = require_inputs(name, spec.inputs, inputs)
     res = spec.build({k: Path(inputs[k]) for k in spec.inputs}, cfg)
     base = Path(out_dir) / name
     save_figure(res.fig, base)

@@ -57,9 +57,6 @@ class Reported:
     in_text: dict[str, InText]
     raw: dict[str, Any] = field(default_factory=dict)
 
-    def match_index(self, table: str) -> dict[tuple[Any, ...], Cell]:
-        return {match_key(table, c): c for c in self.tables[table].cells}
-
 
 def match_key(table: str, cell: Cell) -> tuple[Any, ...]:
     return tuple(cell.keys.get(k) for k in MATCH_KEYS[table])

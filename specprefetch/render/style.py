@@ -59,7 +59,6 @@ LATENCY_COMPONENTS: dict[str, tuple[str, str]] = {  # component -> (label, colou
     "other": ("Other", "#BDBDBD"),
 }
 MODE_LABELS = {"resident": "Resident", "on_demand": "On-demand"}
-EXPERIMENTS = ("main", "matched", "sweep", "storage", "component")
 
 COLUMN_WIDTH_IN = 3.3  # one column of a two-column paper
 TEXT_WIDTH_IN = 7.0

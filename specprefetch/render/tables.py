@@ -38,6 +38,7 @@ from specprefetch.render.data import (
     mean_std,
     paired_gains,
     read_result_csv,
+    require_inputs,
     require_rows,
     select_device,
 )
@@ -53,21 +54,6 @@ TABLE3_METHODS = ("single_mlp", "draft_model", "promoe", "specprefetch")
 TABLE5_POLICIES = ("naive", "fate", "specprefetch")
 CATEGORIES = (("LLM", "LLM Workloads"), ("VLM", "VLM Workloads"))
 RECALL_DECIMALS = 2
-DEFAULT_RENDER: dict[str, Any] = {
-    "out_dir": "paper_tables",
-    "device": {"platform": None, "model": None, "source": None, "cold_storage": "nvme_cold",
-               "slow_storage": "slow_ufs"},
-}
-
-
-def render_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """``cfg['render']`` over the defaults (the section is optional; every key has a default)."""
-    user = dict(cfg.get("render") or {})
-    out = {**DEFAULT_RENDER, **user}
-    out["device"] = {**DEFAULT_RENDER["device"], **(user.get("device") or {})}
-    return out
-
-
 # --------------------------------------------------------------------------------------------- templates
 
 
@@ -371,7 +357,7 @@ def build_table4(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
     """OFF / PRED0 / SpecPrefetch throughput (mean ± std) and paired gain vs OFF, under cold storage."""
     path = inputs["runs"]
     runs = read_result_csv(path, "runs")
-    rset = render_settings(cfg)
+    rset = cfg["render"]
     sel = select_device(runs, path, cfg)
     storage = rset["device"]["cold_storage"]
     main = require_rows(experiment_rows(runs, path, sel, "main"), path, "Table 4", storage=storage)
@@ -412,7 +398,7 @@ def build_table5(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
     ReadyRecall (under the cold storage)."""
     path = inputs["runs"]
     runs = read_result_csv(path, "runs")
-    rset = render_settings(cfg)
+    rset = cfg["render"]
     sel = select_device(runs, path, cfg)
     cold, slow = rset["device"]["cold_storage"], rset["device"]["slow_storage"]
     matched = experiment_rows(runs, path, sel, "matched")
@@ -496,10 +482,7 @@ def render_table(name: str, cfg: Mapping[str, Any], inputs: Mapping[str, Path | 
     if name not in TABLES:
         raise RenderInputError(f"unknown table {name!r}; choose from {', '.join(TABLES)}")
     spec = TABLES[name]
-    missing = [k for k in spec.inputs if k not in inputs]
-    if missing:
-        raise RenderInputError(f"{name}: needs input(s) {', '.join(missing)} (e.g. --{missing[0].replace('_', '-')}"
-                               " PATH)")
+    inputs = require_inputs(name, spec.inputs, inputs)
     built = spec.build({k: Path(inputs[k]) for k in spec.inputs}, cfg)
     built.doc.meta.setdefault("inputs", {k: str(inputs[k]) for k in spec.inputs})
     tex = render_template(built.template, built.context, templates)

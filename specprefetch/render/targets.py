@@ -45,8 +45,12 @@ REPORTED = "config/reference/paper_reported.yaml"
 
 
 def out_dir(cfg: Mapping[str, Any]) -> str:
-    """Where the rendered tables go: ``render.out_dir`` (default ``paper_tables``, the committed directory)."""
-    return str(((cfg.get("render") or {}).get("out_dir")) or "paper_tables").rstrip("/")
+    """Where the rendered tables go: ``render.out_dir`` (the schema's default ``paper_tables`` is committed; a
+    config that was not validated, e.g. a bare ``{}``, gets the schema's default too)."""
+    from specprefetch.config import section_defaults
+
+    render = cfg["render"] if "render" in cfg else section_defaults("render")
+    return str(render["out_dir"]).rstrip("/")
 
 
 def table_inputs(table: str) -> dict[str, str]:
@@ -67,20 +71,40 @@ def input_flags(inputs: Mapping[str, Any]) -> str:
     return shlex.join(words)
 
 
+# One file of the rendering; called without a name, the rule's wildcard pattern (e.g. ``<out_dir>/{table}.tex``).
+def table_file(cfg: Mapping[str, Any], table: str = "{table}", ext: str = "tex") -> str:
+    return f"{out_dir(cfg)}/{table}.{ext}"
+
+
+def figure_file(cfg: Mapping[str, Any], figure: str = "{figure}", ext: str = "pdf") -> str:
+    return f"{out_dir(cfg)}/figures/{figure}.{ext}"
+
+
+def vs_paper_file(cfg: Mapping[str, Any], table: str = "{table}") -> str:
+    """A table's reproduced-vs-reported comparison (LaTeX)."""
+    return f"{out_dir(cfg)}/{table}_vs_paper.tex"
+
+
+def comparison_file(cfg: Mapping[str, Any], name: str) -> str:
+    """``figures_vs_paper.tex``, ``comparison.md`` or ``comparison.json``."""
+    return f"{out_dir(cfg)}/{name}"
+
+
+def preview_file(cfg: Mapping[str, Any], ext: str = "tex") -> str:
+    return f"{out_dir(cfg)}/paper_tables.{ext}"
+
+
 def table_files(cfg: Mapping[str, Any]) -> list[str]:
-    d = out_dir(cfg)
-    return [f"{d}/{t}.{ext}" for t in TABLE_NAMES for ext in ("tex", "json")]
+    return [table_file(cfg, t, ext) for t in TABLE_NAMES for ext in ("tex", "json")]
 
 
 def figure_files(cfg: Mapping[str, Any]) -> list[str]:
-    d = out_dir(cfg)
-    return [f"{d}/figures/{f}.{ext}" for f in FIGURE_NAMES for ext in ("pdf", "png", "json")]
+    return [figure_file(cfg, f, ext) for f in FIGURE_NAMES for ext in ("pdf", "png", "json")]
 
 
 def comparison_files(cfg: Mapping[str, Any]) -> list[str]:
-    d = out_dir(cfg)
-    return ([f"{d}/{t}_vs_paper.tex" for t in TABLE_NAMES]
-            + [f"{d}/figures_vs_paper.tex", f"{d}/comparison.md", f"{d}/comparison.json"])
+    return ([vs_paper_file(cfg, t) for t in TABLE_NAMES]
+            + [comparison_file(cfg, n) for n in ("figures_vs_paper.tex", "comparison.md", "comparison.json")])
 
 
 def archive_files(cfg: Mapping[str, Any]) -> dict[str, str]:
@@ -94,9 +118,8 @@ def pdflatex_available() -> bool:
 
 def preview_files(cfg: Mapping[str, Any], with_pdf: bool | None = None) -> list[str]:
     """The preview source always; the PDF only where pdflatex is installed (``with_pdf`` overrides the check)."""
-    d = out_dir(cfg)
     pdf = pdflatex_available() if with_pdf is None else with_pdf
-    return [f"{d}/paper_tables.tex"] + ([f"{d}/paper_tables.pdf"] if pdf else [])
+    return [preview_file(cfg, "tex")] + ([preview_file(cfg, "pdf")] if pdf else [])
 
 
 def all_outputs(cfg: Mapping[str, Any], with_pdf: bool | None = None) -> list[str]:

@@ -20,53 +20,22 @@ Modules (each docstring has the details):
   Snapdragon 8 Elite profile, validation against measured runs;
 - :mod:`.external`: external device logs (schema, validation, merge into runs.csv);
 - :mod:`.lm_eval_model`: lm-eval model ``specprefetch-offloaded`` and the accuracy check;
-- :mod:`.settings`: the ``device`` config section and its defaults; :mod:`.commands`: the CLI.
+- :mod:`.settings`: the ``device`` config section as the runtime uses it (its CLI is :mod:`specprefetch.stages.device`).
 """
 
-from importlib import import_module
-from typing import Any
+from specprefetch._lazy import lazy_exports
 
 _EXPORTS = {
     "ExpertCache": "cache", "SlotPool": "cache",
-    "POLICIES": "constants", "STORAGES": "constants",
     "OffloadedExperts": "engine", "OffloadedRuntime": "engine", "RuntimeOptions": "engine",
     "PredictorPriority": "priority", "PreviousTokenPriority": "priority", "PriorityProvider": "priority",
-    "fate_from_model": "priority", "select_prefetch": "priority",
+    "fate_from_model": "priority", "provider_factories": "priority", "select_prefetch": "priority",
     "BandwidthModel": "storage", "ExpertReader": "storage", "FaultInjector": "storage", "make_profile": "storage",
     "ExpertStore": "store", "build_expert_store": "store", "find_moe_blocks": "store",
     "LayerEvent": "timeline", "RunStats": "timeline", "ready_recall_of": "timeline", "summarize": "timeline",
 }
 
-
-def __getattr__(name: str) -> Any:
-    """Lazy exports: importing the package (e.g. for its config defaults) does not import torch."""
-    if name in _EXPORTS:
-        return getattr(import_module(f"specprefetch.runtime.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'specprefetch.runtime' has no attribute {name!r}")
-
-
-__all__ = [
-    "POLICIES",
-    "STORAGES",
-    "BandwidthModel",
-    "ExpertCache",
-    "ExpertReader",
-    "ExpertStore",
-    "FaultInjector",
-    "LayerEvent",
-    "OffloadedExperts",
-    "OffloadedRuntime",
-    "PredictorPriority",
-    "PreviousTokenPriority",
-    "PriorityProvider",
-    "RunStats",
-    "RuntimeOptions",
-    "SlotPool",
-    "build_expert_store",
-    "fate_from_model",
-    "find_moe_blocks",
-    "make_profile",
-    "ready_recall_of",
-    "select_prefetch",
-    "summarize",
-]
+# Lazy exports: importing the package (e.g. for its config defaults) does not import torch.
+_MODULES = {**{k: f"{__name__}.{v}" for k, v in _EXPORTS.items()},
+            "POLICIES": "specprefetch.contracts", "STORAGES": "specprefetch.contracts"}
+__getattr__, __all__ = lazy_exports(__name__, _MODULES)

@@ -31,18 +31,12 @@ from typing import Any
 
 import torch
 
-from specprefetch.contracts import ROUTING_FORMAT, save_tensor_tree
-from specprefetch.io import SpecPrefetchError, atomic_path, provenance, write_json_atomic
+from specprefetch.contracts import ROUTING_FORMAT, RUN_COLUMNS, save_tensor_tree
+from specprefetch.io import SpecPrefetchError, atomic_path, provenance
 from specprefetch.runtime.session import Harness, RunResult
 
 log = logging.getLogger(__name__)
 
-RUN_COLUMNS = [
-    "platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat", "tokens_per_s",
-    "ready_recall", "n_tokens", "hits", "misses", "prefetched", "wasted", "stall_ms", "source",
-    "inflight", "cancelled", "demand_loads", "io_errors", "peak_cache_experts", "capacity_experts",
-    "peak_cache_bytes", "capacity_bytes", "decode_s", "charge", "tokens_match", "measured_in",
-]
 
 
 Signature = tuple[str, str, int, bool]  # (policy, storage, budget, compute_opt): what the runtime is given
@@ -71,22 +65,22 @@ class RunConfig:
         return (self.policy, self.storage, self.budget, self.compute_opt)
 
 
-def plan_experiments(s: dict[str, Any], m_max: int, experiments: Iterable[str]) -> dict[str, list[RunConfig]]:
+def plan_experiments(settings: dict[str, Any], m_max: int, experiments: Iterable[str]) -> dict[str, list[RunConfig]]:
     """The configurations of every experiment, in run order (OFF first, so it is each repeat's reference)."""
-    ref, slow = s["reference_storage"], s["slow_storage"]
+    ref, slow = settings["reference_storage"], settings["slow_storage"]
     out: dict[str, list[RunConfig]] = {}
     for exp in experiments:
         if exp == "main":
-            pols = ["off", *[p for p in s["main_policies"] if p != "off"]]
+            pols = ["off", *[p for p in settings["main_policies"] if p != "off"]]
             out[exp] = [RunConfig(exp, p, ref, m_max) for p in pols]
         elif exp == "matched":
-            pols = ["off", *[p for p in s["matched_policies"] if p != "off"]]
+            pols = ["off", *[p for p in settings["matched_policies"] if p != "off"]]
             out[exp] = [RunConfig(exp, p, st, m_max) for st in dict.fromkeys([ref, slow]) for p in pols]
         elif exp == "sweep":
-            ms = sorted({int(m) for m in s["sweep_m_max"]} | {m_max})
+            ms = sorted({int(m) for m in settings["sweep_m_max"]} | {m_max})
             out[exp] = [RunConfig(exp, "off", ref, 0)] + [RunConfig(exp, "specprefetch", ref, m) for m in ms]
         elif exp == "storage":
-            out[exp] = [RunConfig(exp, p, st, m_max) for st in s["storages"] for p in ("off", "specprefetch")]
+            out[exp] = [RunConfig(exp, p, st, m_max) for st in settings["storages"] for p in ("off", "specprefetch")]
         elif exp == "component":
             out[exp] = [RunConfig(exp, p, ref, m_max, opt) for opt in (False, True) for p in ("off", "specprefetch")]
         else:
@@ -136,22 +130,22 @@ def recorded_routing(res: RunResult) -> list[dict[str, Any]]:
              "scores": ev.scores.float() if ev.scores is not None else None} for ev in res.events]
 
 
-def bench_runtime(h: Harness, profile: dict[str, Any], model: str, platform: str, out_csv: str | Path,
+def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platform: str, out_csv: str | Path,
                   experiments: Iterable[str] | None = None, routing_out: str | Path | None = None,
                   config_fragment: Any = None) -> list[dict[str, Any]]:
     """Run every experiment and write ``out_csv`` (one row per run); returns the rows."""
-    s = h.s
-    m_max = int(profile["m_max"]) if s["m_max"] == "auto" else int(s["m_max"])
-    plan = plan_experiments(s, m_max, experiments or s["experiments"])
+    settings = harness.settings
+    m_max = int(profile["m_max"]) if settings["m_max"] == "auto" else int(settings["m_max"])
+    plan = plan_experiments(settings, m_max, experiments or settings["experiments"])
     reuse = reused_groups(plan)
-    repeats = int(s["repeats"])
+    repeats = int(settings["repeats"])
     n_runs = sum(1 for exp, v in plan.items() for c in v if (exp, c.storage) not in reuse) * repeats
     log.info("%d runs: %s", n_runs, ", ".join(f"{k} ({len(v)} configs)" for k, v in plan.items()))
     for (exp, storage), src in reuse.items():
         log.info("%s on %s: the runs of %s", exp, storage, src)
     # warm-up: allocator, lazy module init, page-table of the store (not recorded)
-    h.run("resident", "ram", max_new_tokens=4, prompts=h.prompts[:1])
-    h.run("off", s["reference_storage"], max_new_tokens=4, prompts=h.prompts[:1])
+    harness.run("resident", "ram", max_new_tokens=4, prompts=harness.prompts[:1])
+    harness.run("off", settings["reference_storage"], max_new_tokens=4, prompts=harness.prompts[:1])
     reference_tokens: list[list[int]] | None = None
     rows: list[dict[str, Any]] = []
     measured: dict[tuple[str, int, Signature], dict[str, Any]] = {}
@@ -164,7 +158,7 @@ def bench_runtime(h: Harness, profile: dict[str, Any], model: str, platform: str
                 if src is not None:
                     rows.append({**measured[(src, r, cfg.signature)], "experiment": exp})
                     continue
-                res = h.run(cfg.policy, cfg.storage, cfg.m_max, cfg.compute_opt, record=True)
+                res = harness.run(cfg.policy, cfg.storage, cfg.m_max, cfg.compute_opt, record=True)
                 done += 1
                 toks = res.tokens()
                 if reference_tokens is None:
@@ -173,7 +167,8 @@ def bench_runtime(h: Harness, profile: dict[str, Any], model: str, platform: str
                 if not match:
                     raise SpecPrefetchError(f"{model}: run {cfg.key} repeat {r} decoded different tokens than the "
                                             "first run; the offloaded runtime must not change outputs")
-                rows.append(run_row(res, cfg, r, platform, model, s["charge"], h.store.record_bytes, match))
+                rows.append(run_row(res, cfg, r, platform, model, settings["charge"], harness.store.record_bytes,
+                                    match))
                 measured[(exp, r, cfg.signature)] = rows[-1]
                 if r == 0:  # routing and priorities are the same in every repeat (same tokens): record one
                     routing[cfg.key] = {"row": rows[-1], "events": recorded_routing(res), "repeats": []}
@@ -181,8 +176,8 @@ def bench_runtime(h: Harness, profile: dict[str, Any], model: str, platform: str
                 log.info("[%d/%d] %s r%d: %.2f tok/s", done, n_runs, cfg.key, r, res.tokens_per_s)
     write_runs_csv(out_csv, rows)
     if routing_out is not None:
-        save_tensor_tree(routing_out, {"model": model, "platform": platform, "emulation_scale": h.scale,
-                                       "capacity": h.capacity, "runs": routing,
+        save_tensor_tree(routing_out, {"model": model, "platform": platform, "emulation_scale": harness.scale,
+                                       "capacity": harness.capacity, "runs": routing,
                                        "provenance": provenance(config_fragment)}, ROUTING_FORMAT)
     return rows
 
@@ -209,5 +204,3 @@ def _fmt(v: Any) -> Any:
     return v
 
 
-def write_bench_meta(path: str | Path, h: Harness, profile: dict[str, Any], config_fragment: Any) -> None:
-    write_json_atomic(path, {"profile": profile, "capacity": h.capacity, "provenance": provenance(config_fragment)})

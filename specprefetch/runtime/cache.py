@@ -66,14 +66,6 @@ class ExpertCache:
                 return self.inflight[key]
         raise CacheError(f"expert {key} is not in the cache")
 
-    def resident_of_layer(self, layer: int) -> set[int]:
-        with self.lock:
-            return set(self.res_by_layer[layer])
-
-    def inflight_of_layer(self, layer: int) -> set[int]:
-        with self.lock:
-            return set(self.infl_by_layer[layer])
-
     def unavailable_mask_of_layer(self, layer: int) -> set[int]:
         """Experts of ``layer`` resident or in flight (A ∪ U of the paper's selection rule)."""
         with self.lock:

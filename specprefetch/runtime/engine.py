@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specprefetch.contracts import POLICIES, PREDICTING
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.constants import POLICIES, PREDICTING
 from specprefetch.runtime.cache import ExpertCache, Key, SlotPool
 from specprefetch.runtime.priority import PriorityProvider, select_prefetch
 from specprefetch.runtime.storage import ExpertReader, StorageError
@@ -72,11 +72,6 @@ class RuntimeOptions:
             raise OffloadError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
         if self.m_max < 0:
             raise OffloadError(f"m_max must be >= 0, got {self.m_max}")
-
-
-def capacity_from_bytes(capacity_bytes: int, store: ExpertStore) -> int:
-    """Cache capacity in experts for a byte budget (each slot holds one aligned record)."""
-    return int(capacity_bytes) // store.record_bytes
 
 
 def top_k_index_row(idx: Tensor, device: torch.device) -> Tensor:

@@ -34,10 +34,18 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from specprefetch.contracts import csv_rows, read_jsonl, reraise_as
+from specprefetch.contracts import (
+    EXPERIMENTS,
+    POLICIES,
+    RUN_COLUMNS,
+    RUN_KEY_COLUMNS,
+    STORAGES,
+    csv_rows,
+    read_jsonl,
+    reraise_as,
+)
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.bench import RUN_COLUMNS, write_runs_csv
-from specprefetch.runtime.constants import EXPERIMENTS, POLICIES, STORAGES
+from specprefetch.runtime.bench import write_runs_csv
 
 REQUIRED = ("platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat", "tokens_per_s")
 OPTIONAL_INT = ("n_tokens", "hits", "misses", "prefetched", "wasted")
@@ -197,7 +205,7 @@ def read_runs_csv(path: str | Path) -> list[dict[str, Any]]:
     rows = csv_rows(path, "runs CSV")
     first = next(rows, None)
     header = first[1] if first else []
-    missing = [c for c in RUN_COLUMNS[:17] if c not in header]
+    missing = [c for c in RUN_COLUMNS[:RUN_KEY_COLUMNS] if c not in header]
     if missing:
         raise ExternalLogError(f"{path}:1: missing column {missing[0]!r}")
     out = []

@@ -62,8 +62,10 @@ class OffloadedLM(HFLM):
             cfg = load_config(config)
             bundle = load_bundle(cfg, model, model_dir)
             settings = device_settings(cfg)
-        else:
-            settings = None
+        else:  # in-process (evaluate_offloaded): the runtime's own choices come from the arguments
+            from specprefetch.config import section_defaults
+
+            settings = section_defaults("device")
         if expert_store is None:
             expert_store = ExpertStore(store)
         spec = bundle.routing
@@ -74,10 +76,10 @@ class OffloadedLM(HFLM):
 
             provider = PreviousTokenPriority(spec.n_layers, spec.n_experts)
         if capacity is None:
-            capacity = cache_capacity(settings or {"cache": {"capacity_fraction": 0.125}}, expert_store.total_experts,
+            capacity = cache_capacity(settings, expert_store.total_experts,
                                       spec.top_k)
         lm = language_model(bundle.model)
-        self.reader = ExpertReader(expert_store, make_profile(storage, settings or {"charge": "real"},
+        self.reader = ExpertReader(expert_store, make_profile(storage, settings,
                                                               expert_store.layout.payload_bytes))
         opts = RuntimeOptions(policy=policy, m_max=int(m_max), capacity=int(capacity),
                               compute_opt=_as_bool(compute_opt))
@@ -158,7 +160,7 @@ def evaluate_offloaded(cfg: dict[str, Any], settings: dict[str, Any], model_name
     acc = settings["accuracy"]
     names, paths = task_paths(cfg, tasks_dir, acc.get("tasks"))
     limit = acc.get("limit")
-    max_gen = int(acc.get("max_gen_toks", settings["max_new_tokens"]))
+    max_gen = int(acc["max_gen_toks"])
     lm_model = language_model(bundle.model)
     if hasattr(lm_model, "set_experts_implementation"):
         lm_model.set_experts_implementation("eager")  # transformers' reference loop
@@ -185,7 +187,8 @@ def evaluate_offloaded(cfg: dict[str, Any], settings: dict[str, Any], model_name
         for (task, metric), v in sorted(scores.items()):
             same_out = outs.get(task) == ref_out.get(task)
             rows.append({"model": model_name, "task": task, "policy": policy, "metric": metric, "value": v,
-                         "plain_value": ref_scores.get((task, metric)), "equal_score": v == ref_scores.get((task, metric)),
+                         "plain_value": ref_scores.get((task, metric)),
+                         "equal_score": v == ref_scores.get((task, metric)),
                          "equal_outputs": same_out, "n_samples": len(outs.get(task) or []), "storage": storage,
                          "m_max": m_max, "compute_opt": True, "moe_layer_calls": calls, "expert_loads": loads})
             if not same_out or v != ref_scores.get((task, metric)):

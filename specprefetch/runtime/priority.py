@@ -12,6 +12,8 @@ previous token used at layer ``l+1``, ranked by their routing weight), which nee
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -158,3 +160,26 @@ def fate_from_model(spec: Any) -> Any:
     routers = {k: v for k, v in routers.items()}
     pred.set_gates(routers)
     return pred
+
+
+def provider_factories(pred_dirs: dict[str, Path], spec: Any, device: str,
+                       model: str | None = None) -> dict[str, Callable[[], Any]]:
+    """Factories of priority providers: trained predictors from their directories; FATE also from the gates.
+
+    With ``model``, each predictor must have been trained for that model (its meta.json says so)."""
+    from specprefetch.predictors.base import load_predictor, read_meta
+
+    out: dict[str, Callable[[], Any]] = {}
+    for method, d in pred_dirs.items():
+        trained_for = read_meta(d).get("model")
+        if model is not None and trained_for != model:
+            raise SpecPrefetchError(f"{d}: predictor trained for model {trained_for!r}, not {model!r}")
+        pred = load_predictor(d)
+        if pred.dims.n_layers != spec.n_layers or pred.dims.n_experts != spec.n_experts:
+            raise SpecPrefetchError(f"{d}: predictor for L={pred.dims.n_layers}, n={pred.dims.n_experts}; "
+                                    f"the model has L={spec.n_layers}, n={spec.n_experts}")
+        out[method] = (lambda p=pred: PredictorPriority(p, device))
+    if "fate" not in out:
+        fate = fate_from_model(spec)
+        out["fate"] = lambda: PredictorPriority(fate, device)
+    return out

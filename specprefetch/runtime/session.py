@@ -20,7 +20,7 @@ from torch import nn
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.decode import Generation, Prompt, greedy_generate
 from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions, install_offloaded
-from specprefetch.runtime.priority import PriorityProvider, PreviousTokenPriority
+from specprefetch.runtime.priority import PreviousTokenPriority, PriorityProvider
 from specprefetch.runtime.storage import ExpertReader, StorageProfile, make_profile
 from specprefetch.runtime.store import ExpertStore, find_moe_blocks
 from specprefetch.runtime.timeline import LayerEvent, RunStats
@@ -67,7 +67,7 @@ class Harness:
         self.model = model
         self.spec = spec
         self.store = store
-        self.s = settings
+        self.settings = settings
         self.device = torch.device(device)
         self.providers = providers
         self.scale = float(emulation_scale)
@@ -84,7 +84,7 @@ class Harness:
         self._readers: dict[str, ExpertReader] = {}
 
     def profile(self, storage: str) -> StorageProfile:
-        return make_profile(storage, self.s, self.store.layout.payload_bytes, self.scale)
+        return make_profile(storage, self.settings, self.store.layout.payload_bytes, self.scale)
 
     def reader(self, storage: str) -> ExpertReader:
         if storage not in self._readers:
@@ -114,12 +114,12 @@ class Harness:
         """One measured run of ``policy`` (see the module docstring)."""
         opts = RuntimeOptions(policy=policy, m_max=m_max if policy not in ("off", "resident") else 0,
                               capacity=capacity or self.capacity, compute_opt=compute_opt,
-                              io_workers=int(self.s["io_workers"]), io_retries=int(self.s["io_retries"]),
+                              io_workers=int(self.settings["io_workers"]), io_retries=int(self.settings["io_retries"]),
                               record_routing=record, preload=preload, topm_absent=topm_absent)
         rt = OffloadedRuntime(self.model, self.store, self.reader(storage), opts, self.provider(policy),
                               spec=self.spec, device=self.device)
         gens: list[Generation] = []
-        n_new = int(max_new_tokens or self.s["max_new_tokens"])
+        n_new = int(max_new_tokens or self.settings["max_new_tokens"])
         gc.collect()
         gc.disable()
         try:

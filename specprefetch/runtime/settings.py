@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from specprefetch.config import DEVICE_DEFAULTS, _merge, cache_experts, device_settings
+from specprefetch.config import cache_experts, device_settings
 from specprefetch.io import SpecPrefetchError
 
-__all__ = ["DEVICE_DEFAULTS", "_merge", "cache_capacity", "device_settings", "experiments_for", "platform_label",
+__all__ = ["cache_capacity", "device_settings", "experiments_for", "platform_label",
            "resolve_accelerator"]
 
 def resolve_accelerator(d: dict[str, Any], override: str | None = None) -> str:

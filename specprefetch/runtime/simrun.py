@@ -24,8 +24,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from specprefetch.contracts import EMULATED, RUN_COLUMNS
 from specprefetch.io import SpecPrefetchError, atomic_path
-from specprefetch.runtime.bench import RUN_COLUMNS, Signature, plan_experiments, write_runs_csv
+from specprefetch.runtime.bench import Signature, plan_experiments, write_runs_csv
 from specprefetch.runtime.platforms import calibrate_bandwidth, compute_profile_of, nvme_profile, platform_profile
 from specprefetch.runtime.simulator import (
     ComputeProfile,
@@ -35,7 +36,6 @@ from specprefetch.runtime.simulator import (
     sequences_from_trace,
     simulate,
 )
-from specprefetch.contracts import EMULATED
 from specprefetch.runtime.storage import StorageProfile, make_profile
 
 log = logging.getLogger(__name__)
@@ -120,11 +120,12 @@ def check_routing_record(record: Any, path: str | Path, model: str) -> None:
                 require(rep, col, (int, float), f"{at} repeat {i}")
 
 
-def validate_simulator(record: dict[str, Any], profile: dict[str, Any], settings: dict[str, Any]) -> list[dict[str, Any]]:
+def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
+                       settings: dict[str, Any]) -> list[dict[str, Any]]:
     """Simulate every recorded run with this machine's profile; rows of measured vs simulated per metric."""
     n_layers, n_experts, top_k = int(profile["n_layers"]), int(profile["n_experts"]), int(profile["top_k"])
     rows = []
-    for key, run in tqdm(sorted(record["runs"].items()), desc="simulator validation", disable=None):
+    for _key, run in tqdm(sorted(record["runs"].items()), desc="simulator validation", disable=None):
         m = run["row"]
         seqs = sequences_from_record(run["events"], n_layers)
         storage, fixed, overhead = local_storage(profile, m["storage"], settings, record.get("emulation_scale"))

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specprefetch.contracts import POLICIES, PREDICTING
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.cache import ExpertCache, Key
-from specprefetch.runtime.constants import POLICIES, PREDICTING
 from specprefetch.runtime.priority import PreviousTokenPriority, select_prefetch
 from specprefetch.runtime.storage import BandwidthModel, StorageProfile
 from specprefetch.runtime.timeline import LayerEvent, RunStats, summarize

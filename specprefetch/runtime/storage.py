@@ -42,13 +42,13 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from specprefetch.contracts import STORAGES
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.constants import DEFAULT_PROFILES, PAPER_EXPERT_MB, STORAGES
 from specprefetch.runtime.store import ExpertStore
 
 log = logging.getLogger(__name__)
@@ -82,35 +82,32 @@ class StorageProfile:
         b = self.charged_bytes if nbytes is None else nbytes
         return self.scale * (self.latency_ms * 1e-3 + b / (self.bandwidth_mbps * 1e6))
 
-    def with_charge(self, charged_bytes: float, scale: float = 1.0) -> StorageProfile:
-        return replace(self, charged_bytes=float(charged_bytes), scale=float(scale))
-
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "bandwidth_mbps": self.bandwidth_mbps,
                 "latency_ms": self.latency_ms, "charged_bytes": self.charged_bytes, "scale": self.scale,
                 "transfer_ms": self.transfer_s() * 1e3}
 
 
-def make_profile(name: str, device_cfg: dict[str, Any] | None = None, payload_bytes: int = 0,
+def make_profile(name: str, device_cfg: dict[str, Any], payload_bytes: int = 0,
                  scale: float = 1.0) -> StorageProfile:
-    """The profile ``name`` with the config's numbers (``device.storage_profiles``) and charge mode."""
-    cfg = device_cfg or {}
+    """The profile ``name`` with the resolved ``device`` section's numbers (``storage_profiles``) and charge mode."""
+    cfg = device_cfg
     if name not in STORAGES:
         raise StorageError(f"unknown storage profile {name!r}; known: {', '.join(STORAGES)}")
     if name == "nvme_cold":
-        return StorageProfile(name, "physical", cold_each_read=bool(cfg.get("cold_each_read", True)))
+        return StorageProfile(name, "physical", cold_each_read=bool(cfg["cold_each_read"]))
     if name == "ram":
         return StorageProfile(name, "ram")
-    numbers = {**DEFAULT_PROFILES[name], **(cfg.get("storage_profiles", {}) or {}).get(name, {})}
+    numbers = cfg["storage_profiles"][name]
     bw, lat = float(numbers["bandwidth_mbps"]), float(numbers["latency_ms"])
     if bw <= 0 or lat < 0:
         raise StorageError(f"invalid config key 'device.storage_profiles.{name}': bandwidth_mbps must be > 0 "
                            f"and latency_ms >= 0 (got {bw}, {lat})")
-    charge = cfg.get("charge", "real")
+    charge = cfg["charge"]
     if charge == "real":
         charged = float(payload_bytes)
     elif charge in ("paper", "calibrated"):
-        charged = float(cfg.get("paper_expert_mb", PAPER_EXPERT_MB)) * 1e6
+        charged = float(cfg["paper_expert_mb"]) * 1e6
     else:
         raise StorageError(f"invalid config key 'device.charge': {charge!r} (real, paper or calibrated)")
     return StorageProfile(name, "emulated", bw, lat, charged, scale if charge == "calibrated" else 1.0)

@@ -72,9 +72,6 @@ class RunStats:
     peak_cache_experts: int = 0
     demand_loads: int = 0
 
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
 
 def summarize(events: Sequence[LayerEvent], top_k: int, decode_only: bool = True) -> RunStats:
     """Counters and ReadyRecall over the events (decoding steps: one token per step)."""

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from specprefetch.contracts import EMULATED, LATENCY_PARTS
 from specprefetch.io import atomic_path, provenance, write_json_atomic
 from specprefetch.runtime.session import Harness, RunResult
-from specprefetch.contracts import EMULATED
 from specprefetch.runtime.storage import ExpertReader, make_profile, measure_transfer_ms
 from specprefetch.runtime.timeline import LayerEvent
 
@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 WINDOW_COLUMNS = ["platform", "model", "layer", "window_ms", "transfer_ms", "m_max"]
 EVENT_COLUMNS = ["platform", "model", "layer", "M", "demand_ms", "window_ms"]
 LATENCY_COLUMNS = ["platform", "model", "mode", "layer", "component", "ms"]
-COMPONENTS = ("attention", "router", "expert_load", "moe_compute", "other")
 
 
 # ------------------------------------------------------------------------------------------ timing hooks
@@ -98,8 +97,8 @@ class LayerTimer:
         self.times.clear()
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+        for harness in self.handles:
+            harness.remove()
         self.handles = []
 
     def components(self, events: list[LayerEvent]) -> dict[tuple[int, str], list[float]]:
@@ -117,7 +116,7 @@ class LayerTimer:
             load = ev.stall
             moe = max(0.0, ev.t_done - ev.t_ready) + self.times.get((*key, "shared"), 0.0)
             other = max(0.0, total - attn - router - load - moe)
-            for name, v in zip(COMPONENTS, (attn, router, load, moe, other)):
+            for name, v in zip(LATENCY_PARTS, (attn, router, load, moe, other)):
                 out[(ev.layer, name)].append(v * 1e3)
         return out
 
@@ -151,24 +150,24 @@ def concurrent_throughput(reader: ExpertReader, n_workers: int, n: int = 64, see
     return n * st.layout.payload_bytes / (time.perf_counter() - t0)
 
 
-def transfer_table(h: Harness, storages: list[str], n: int, scale: float) -> dict[str, dict[str, float]]:
+def transfer_table(harness: Harness, storages: list[str], n: int, scale: float) -> dict[str, dict[str, float]]:
     """Per storage: the isolated per-expert transfer ms, measured (physical disk, RAM) or modelled (emulated)."""
     out = {}
-    for s in dict.fromkeys([*storages, h.s["reference_storage"], "ram"]):
-        prof = make_profile(s, h.s, h.store.layout.payload_bytes, scale)
+    for storage in dict.fromkeys([*storages, harness.settings["reference_storage"], "ram"]):
+        prof = make_profile(storage, harness.settings, harness.store.layout.payload_bytes, scale)
         if prof.emulated:
-            out[s] = {"transfer_ms": prof.transfer_s() * 1e3, "source": "model"}
+            out[storage] = {"transfer_ms": prof.transfer_s() * 1e3, "source": "model"}
             continue
-        ms = measure_transfer_ms(h.reader(s), n=n)
-        out[s] = {"transfer_ms": statistics.fmean(ms), "transfer_ms_median": statistics.median(ms),
+        ms = measure_transfer_ms(harness.reader(storage), n=n)
+        out[storage] = {"transfer_ms": statistics.fmean(ms), "transfer_ms_median": statistics.median(ms),
                   "source": "measured"}
     return out
 
 
-def emulation_overshoot_ms(h: Harness, scale: float, n: int = 16) -> float:
+def emulation_overshoot_ms(harness: Harness, scale: float, n: int = 16) -> float:
     """Mean extra time of an emulated load over its model (sleep granularity, thread hand-off)."""
-    prof = make_profile("nvme", h.s, h.store.layout.payload_bytes, scale)
-    reader = ExpertReader(h.store, prof)
+    prof = make_profile("nvme", harness.settings, harness.store.layout.payload_bytes, scale)
+    reader = ExpertReader(harness.store, prof)
     try:
         ms = measure_transfer_ms(reader, n=n)
     finally:
@@ -176,19 +175,20 @@ def emulation_overshoot_ms(h: Harness, scale: float, n: int = 16) -> float:
     return max(0.0, statistics.fmean(ms) - prof.transfer_s() * 1e3)
 
 
-def transfer_cpu_ms(h: Harness, storage: str, batches: int = 16) -> float:
+def transfer_cpu_ms(harness: Harness, storage: str, batches: int = 16) -> float:
     """Host CPU time (all threads) per expert transfer served by the I/O workers, in batches of K prefetches:
     the compute a prefetch takes away from the model on this host (GIL, copies, syscalls)."""
     from specprefetch.runtime.cache import ExpertCache, SlotPool
     from specprefetch.runtime.transfer import TransferEngine
 
-    reader = h.reader(storage)
+    reader = harness.reader(storage)
     reader.prepare_run()
-    k = int(h.spec.top_k)
-    n = min(batches * k, h.store.total_experts)
+    k = int(harness.spec.top_k)
+    n = min(batches * k, harness.store.total_experts)
     cache = ExpertCache(n)
-    eng = TransferEngine(reader, cache, SlotPool(n, h.store.layout, "cpu"), int(h.s["io_workers"]), 0)
-    keys = [(l, e) for l in range(h.store.n_layers) for e in range(h.store.n_experts)][:n]
+    eng = TransferEngine(reader, cache, SlotPool(n, harness.store.layout, "cpu"),
+                         int(harness.settings["io_workers"]), 0)
+    keys = [(l, e) for l in range(harness.store.n_layers) for e in range(harness.store.n_experts)][:n]
     try:
         t0 = time.process_time()
         for i in range(0, n, k):
@@ -202,11 +202,12 @@ def transfer_cpu_ms(h: Harness, storage: str, batches: int = 16) -> float:
         eng.shutdown()
 
 
-def physical_device_model(h: Harness, isolated_ms: float) -> dict[str, float]:
+def physical_device_model(harness: Harness, isolated_ms: float) -> dict[str, float]:
     """Fit (latency, bandwidth) of the physical disk for the simulator from isolated and concurrent loads."""
-    reader = h.reader("nvme_cold")
-    bw = concurrent_throughput(reader, int(h.s["io_workers"]), n=4 * int(h.s["window"]["transfer_samples"]))
-    payload = h.store.layout.payload_bytes
+    reader = harness.reader("nvme_cold")
+    bw = concurrent_throughput(reader, int(harness.settings["io_workers"]),
+                               n=4 * int(harness.settings["window"]["transfer_samples"]))
+    payload = harness.store.layout.payload_bytes
     latency_ms = max(0.0, isolated_ms - payload / bw * 1e3)
     return {"bandwidth_mbps": bw / 1e6, "latency_ms": latency_ms, "payload_bytes": payload}
 
@@ -274,65 +275,67 @@ def derive_m_max(window_ms: float, transfer_ms: float, n_experts: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------ the rule
-def profile_window(h: Harness, model_name: str, platform: str, out_dir: str | Path,
+def profile_window(harness: Harness, model_name: str, platform: str, out_dir: str | Path,
                    config_fragment: Any = None) -> dict[str, Any]:
     """Measure everything above and write the four outputs into ``out_dir`` (atomically)."""
-    s = h.s
-    wcfg = s["window"]
-    ref = s["reference_storage"]
-    n_layers, n_experts = len(h.blocks), h.store.n_experts
-    prompts = h.prompts[: int(wcfg["n_prompts"])]
+    settings = harness.settings
+    wcfg = settings["window"]
+    ref = settings["reference_storage"]
+    n_layers, n_experts = len(harness.blocks), harness.store.n_experts
+    prompts = harness.prompts[: int(wcfg["n_prompts"])]
     demand_m = tuple(int(m) for m in wcfg["demand_m"])
-    has_pred = "specprefetch" in h.providers
+    has_pred = "specprefetch" in harness.providers
 
     # warm-up (allocator, lazy inits), not recorded
-    h.run("resident", "ram", prompts=prompts[:1], max_new_tokens=4)
+    harness.run("resident", "ram", prompts=prompts[:1], max_new_tokens=4)
 
     log.info("timing resident and on-demand layers")
-    timer = LayerTimer(h.model, h.blocks, sync=h.device.type == "cuda")
+    timer = LayerTimer(harness.model, harness.blocks, sync=harness.device.type == "cuda")
     try:
-        resident = h.run("resident", "ram", compute_opt=True, prompts=prompts, on_runtime=timer.attach)
+        resident = harness.run("resident", "ram", compute_opt=True, prompts=prompts, on_runtime=timer.attach)
         lat_res = timer.components(resident.events)
         timer.times.clear()
-        capacity = h.capacity
-        on_demand = h.run("off", ref, compute_opt=True, prompts=prompts, on_runtime=timer.attach)
+        capacity = harness.capacity
+        on_demand = harness.run("off", ref, compute_opt=True, prompts=prompts, on_runtime=timer.attach)
         lat_dem = timer.components(on_demand.events)
     finally:
         timer.remove()
-    resident_loop = h.run("resident", "ram", compute_opt=False, prompts=prompts)
+    resident_loop = harness.run("resident", "ram", compute_opt=False, prompts=prompts)
 
     log.info("measuring the prefetch window")
     pred_policy = "pred0" if has_pred else "naive"
-    window_run = h.run(pred_policy, "ram", m_max=max(demand_m), preload=True, prompts=prompts)
-    candidates = h.run(pred_policy, ref, m_max=max(demand_m), topm_absent=demand_m, prompts=prompts)
+    window_run = harness.run(pred_policy, "ram", m_max=max(demand_m), preload=True, prompts=prompts)
+    candidates = harness.run(pred_policy, ref, m_max=max(demand_m), topm_absent=demand_m, prompts=prompts)
     if window_run.tokens() != resident.tokens() or candidates.tokens() != resident.tokens():
         raise RuntimeError("window profiling runs decoded different tokens: the runtime changed the outputs")
     windows = per_layer_windows(window_run.events)
     t_eff = float("nan")
     if ref not in EMULATED:  # an emulated reference is timed by its model (its scale is only known below)
-        xfer_policy = next(p for p in ("specprefetch", "fate", "naive") if p == "naive" or p in h.providers)
-        t_eff = effective_transfer_ms(h.run(xfer_policy, ref, m_max=int(h.spec.top_k), prompts=prompts))
+        xfer_policy = next(p for p in ("specprefetch", "fate", "naive") if p == "naive" or p in harness.providers)
+        t_eff = effective_transfer_ms(harness.run(xfer_policy, ref, m_max=int(harness.spec.top_k), prompts=prompts))
 
     per_layer: dict[int, list[float]] = defaultdict(list)
-    for (step, layer), w in windows.items():
+    for (_step, layer), w in windows.items():
         per_layer[layer].append(w)
     w_mean = statistics.fmean([w for ws in per_layer.values() for w in ws]) if per_layer else float("nan")
 
     # calibrated emulation: profiled window / emulated NVMe transfer = calibrate_ratio
     scale = 1.0
-    if s["charge"] == "calibrated":
-        base = make_profile("nvme", {**s, "charge": "paper"}, h.store.layout.payload_bytes).transfer_s() * 1e3
-        scale = (w_mean / float(s["calibrate_ratio"])) / base if base > 0 and math.isfinite(w_mean) else 1.0
+    if settings["charge"] == "calibrated":
+        paper_profile = make_profile("nvme", {**settings, "charge": "paper"}, harness.store.layout.payload_bytes)
+        base = paper_profile.transfer_s() * 1e3
+        scale = (w_mean / float(settings["calibrate_ratio"])) / base if base > 0 and math.isfinite(w_mean) else 1.0
 
     log.info("measuring per-expert transfer times")
-    transfers = transfer_table(h, list(s["storages"]), int(wcfg["transfer_samples"]), scale)
+    transfers = transfer_table(harness, list(settings["storages"]), int(wcfg["transfer_samples"]), scale)
     t_iso = transfers[ref]["transfer_ms"]
     t_ref = t_eff if math.isfinite(t_eff) else t_iso
-    phys = physical_device_model(h, transfers["nvme_cold"]["transfer_ms"]) if "nvme_cold" in transfers else None
-    m_max = derive_m_max(w_mean, t_ref, n_experts) if s["m_max"] == "auto" else int(s["m_max"])
-    overshoot = emulation_overshoot_ms(h, scale)
-    cpu_ms = {st: transfer_cpu_ms(h, st) for st in ("nvme_cold", "ram")}
-    emulated = {name: make_profile(name, s, h.store.layout.payload_bytes, scale).describe() for name in EMULATED}
+    phys = physical_device_model(harness, transfers["nvme_cold"]["transfer_ms"]) if "nvme_cold" in transfers else None
+    m_max = derive_m_max(w_mean, t_ref, n_experts) if settings["m_max"] == "auto" else int(settings["m_max"])
+    overshoot = emulation_overshoot_ms(harness, scale)
+    cpu_ms = {st: transfer_cpu_ms(harness, st) for st in ("nvme_cold", "ram")}
+    emulated = {name: make_profile(name, settings, harness.store.layout.payload_bytes, scale).describe()
+                for name in EMULATED}
 
     out_dir = Path(out_dir)
     window_rows = [{"platform": platform, "model": model_name, "layer": layer + 1,
@@ -356,14 +359,16 @@ def profile_window(h: Harness, model_name: str, platform: str, out_dir: str | Pa
     profile = {
         "format": "specprefetch-window-profile/1",
         "platform": platform, "model": model_name, "reference_storage": ref,
-        "n_layers": n_layers, "n_experts": n_experts, "top_k": int(h.spec.top_k),
-        "record_bytes": h.store.record_bytes, "payload_bytes": h.store.layout.payload_bytes,
-        "cache_capacity_experts": capacity, "io_workers": int(s["io_workers"]),
-        "window_ms_mean": w_mean, "window_ms_per_layer": {str(k + 1): statistics.fmean(v) for k, v in per_layer.items()},
+        "n_layers": n_layers, "n_experts": n_experts, "top_k": int(harness.spec.top_k),
+        "record_bytes": harness.store.record_bytes, "payload_bytes": harness.store.layout.payload_bytes,
+        "cache_capacity_experts": capacity, "io_workers": int(settings["io_workers"]),
+        "window_ms_mean": w_mean,
+        "window_ms_per_layer": {str(k + 1): statistics.fmean(v) for k, v in per_layer.items()},
         "transfer_ms": transfers, "transfer_ms_isolated": t_iso, "transfer_ms_in_runtime": t_eff,
-        "transfer_ms_used": t_ref, "m_max": m_max, "m_max_source": "profiled" if s["m_max"] == "auto" else "config",
+        "transfer_ms_used": t_ref, "m_max": m_max,
+        "m_max_source": "profiled" if settings["m_max"] == "auto" else "config",
         "predictor_for_window": pred_policy,
-        "charge": s["charge"], "emulation_scale": scale, "emulated_profiles": emulated,
+        "charge": settings["charge"], "emulation_scale": scale, "emulated_profiles": emulated,
         "emulation_overshoot_ms": overshoot, "transfer_cpu_ms": cpu_ms,
         "physical_model": phys,
         "compute": {"opt": compute_profile(resident, n_layers), "loop": compute_profile(resident_loop, n_layers),

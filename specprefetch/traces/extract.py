@@ -241,7 +241,7 @@ def model_fingerprint(model_dir: Path | None, model_cfg: dict[str, Any]) -> dict
     which identifies a download without reading tens of GB.
     """
     if model_dir is None:
-        return {"hub_id": model_cfg.get("hub_id"), "revision": model_cfg.get("revision", "main")}
+        return {"hub_id": model_cfg.get("hub_id"), "revision": model_cfg["revision"]}
     h = hashlib.sha256()
     n_files = 0
     for path in sorted(p for p in Path(model_dir).rglob("*") if p.is_file()):
@@ -284,12 +284,12 @@ def extract_traces(cfg: dict[str, Any], model_name: str, model_dir: Path | None,
     from specprefetch.models import encode_sample, load_bundle
 
     tcfg = cfg["traces"]
-    mode = tcfg.get("mode", "teacher_forced")
+    mode = tcfg["mode"]
     if mode not in MODES:
         raise SpecPrefetchError(f"invalid config key 'traces.mode': {mode!r} (use {', '.join(MODES)})")
-    input_dtype = dtype_from_name(tcfg.get("input_dtype", "bfloat16"), INPUT_DTYPES, "traces.input_dtype")
-    logits_dtype = dtype_from_name(tcfg.get("logits_dtype", "float32"), LOGITS_DTYPES, "traces.logits_dtype")
-    seed = int(cfg.get("seed", 0))
+    input_dtype = dtype_from_name(tcfg["input_dtype"], INPUT_DTYPES, "traces.input_dtype")
+    logits_dtype = dtype_from_name(tcfg["logits_dtype"], LOGITS_DTYPES, "traces.logits_dtype")
+    seed = int(cfg["seed"])
     seed_everything(seed)
     workload_dir, out_dir = Path(workload_dir), Path(out_dir)
     samples = read_workload(workload_dir)

@@ -353,10 +353,6 @@ class TraceReader:
     def n_tokens(self) -> int:
         return int(self.manifest["n_tokens"])
 
-    @property
-    def shard_files(self) -> list[str]:
-        return [s["file"] for s in self.manifest["shards"]]
-
     # -- file access
     def check_sizes(self) -> None:
         """Every listed file exists with the manifest's size (cheap: catches missing and truncated files; the
@@ -545,10 +541,11 @@ def gather_traces(shard_dirs: Sequence[str | Path], out_dir: str | Path) -> dict
     """Join the scatter shards of one trace set (``extract-traces --shard I/N``) into one trace directory.
 
     Every file is verified (sha256: as it is read, or up front for a hard link); they must be shards 0..N-1 of the
-    same N, share model, workload, layers, dtypes and routers, and cover consecutive samples. The samples are replayed in order through
-    a fresh :class:`TraceWriter`, so the result is the trace one job would have written, file for file (the same
-    shard boundaries, hence the same shuffled training order: results do not depend on ``traces.scatter``); a
-    single shard is hard-linked as it is. The manifest is written last, atomically. Returns the trace's stats.
+    same N, share model, workload, layers, dtypes and routers, and cover consecutive samples. The samples are
+    replayed in order through a fresh :class:`TraceWriter`, so the result is the trace one job would have written,
+    file for file (the same shard boundaries, hence the same shuffled training order: results do not depend on
+    ``traces.scatter``); a single shard is hard-linked as it is. The manifest is written last, atomically. Returns
+    the trace's stats.
     """
     readers = [TraceReader(d, verify=True) for d in shard_dirs]
     if not readers:

@@ -3,69 +3,88 @@
 
 rule prepare_workload:
     output:
-        directory("results/workloads/{workload}"),
-    params:
-        cfg=lambda w: P.hash_of("image", workload=w.workload),
+        directory(P.workload_dir()),
     log:
-        "logs/prepare_workload/{workload}.log",
+        P.log_path("prepare_workload", "{workload}"),
     benchmark:
-        "benchmarks/prepare_workload/{workload}.tsv"
+        P.benchmark_path("prepare_workload", "{workload}")
+    conda:
+        P.conda_env
     threads: 1
     resources:
         **P.resources("prepare_workload"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=lambda w: P.hash_of("image", workload=w.workload),
     shell:
-        "{SP} prepare-workload --config {CFG:q} --workload {wildcards.workload:q} --out {output:q} "
-        "2>&1 | tee {log:q}"
+        "{params.cli} prepare-workload --config {params.config:q} --workload {wildcards.workload:q} "
+        "--out {output:q} 2>&1 | tee {log:q}"
 
 
 rule prepare_corpus:
     output:
-        directory("results/corpus"),
-    params:
-        cfg=lambda w: P.hash_of("train_corpus", "image"),
+        directory(P.corpus_dir),
     log:
-        "logs/prepare_corpus/corpus.log",
+        P.log_path("prepare_corpus", "corpus"),
     benchmark:
-        "benchmarks/prepare_corpus/corpus.tsv"
+        P.benchmark_path("prepare_corpus", "corpus")
+    cache: P.cache_mode("prepare_corpus")
+    conda:
+        P.conda_env
     threads: 1
     resources:
         **P.resources("prepare_corpus"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=lambda w: P.hash_of("train_corpus", "image"),
     shell:
-        "{SP} prepare-corpus --config {CFG:q} --out {output:q} 2>&1 | tee {log:q}"
+        "{params.cli} prepare-corpus --config {params.config:q} --out {output:q} 2>&1 | tee {log:q}"
 
 
 rule check_disjoint:
     """Proves the training corpus shares no sample (text or image) with any evaluation workload."""
     input:
-        corpus="results/corpus",
-        workloads=expand("results/workloads/{workload}", workload=P.workloads),
+        corpus=P.corpus_dir,
+        workloads=P.workload_dirs(),
     output:
-        "results/workloads/disjointness.json",
+        P.disjointness_json,
     log:
-        "logs/check_disjoint/check.log",
+        P.log_path("check_disjoint", "check"),
     benchmark:
-        "benchmarks/check_disjoint/check.tsv"
+        P.benchmark_path("check_disjoint", "check")
+    conda:
+        P.conda_env
     threads: 1
     resources:
         **P.resources("check_disjoint"),
+    params:
+        cli=P.cli,
     shell:
-        "{SP} check-disjoint --corpus {input.corpus:q} --workloads {input.workloads:q} --out {output:q} "
+        "{params.cli} check-disjoint --corpus {input.corpus:q} --workloads {input.workloads:q} --out {output:q} "
         "2>&1 | tee {log:q}"
 
 
 rule train_tokenizer:
     input:
-        "results/corpus",
+        P.corpus_dir,
     output:
-        directory("results/tokenizer"),
-    params:
-        cfg=lambda w: P.hash_of("tokenizer"),
+        directory(P.tokenizer_dir),
     log:
-        "logs/train_tokenizer/tokenizer.log",
+        P.log_path("train_tokenizer", "tokenizer"),
     benchmark:
-        "benchmarks/train_tokenizer/tokenizer.tsv"
+        P.benchmark_path("train_tokenizer", "tokenizer")
+    cache: P.cache_mode("train_tokenizer")
+    conda:
+        P.conda_env
     threads: 1
     resources:
         **P.resources("train_tokenizer"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=lambda w: P.hash_of("tokenizer"),
     shell:
-        "{SP} train-tokenizer --config {CFG:q} --corpus {input:q} --out {output:q} 2>&1 | tee {log:q}"
+        "{params.cli} train-tokenizer --config {params.config:q} --corpus {input:q} --out {output:q} "
+        "2>&1 | tee {log:q}"

@@ -1,31 +1,6 @@
 # Offloaded-MoE runtime (issue 5): expert store, window profiling, paired runtime benchmarks, the trace-driven
 # simulator, external device logs, and accuracy through lm-eval (Tables 4-5, Figures 1, 4, 5, 6).
-# Timing rules take every core (threads: EXCLUSIVE_THREADS) so nothing else runs while they measure.
-
-# Every core when --cores is given; 1 when it is not (e.g. `snakemake --report`, which runs nothing).
-EXCLUSIVE_THREADS = workflow._cores or 1
-
-
-from specprefetch.runtime.settings import device_settings
-
-DEV = device_settings(P.cfg)
-DEV_MODELS = DEV["models"]
-DEV_WORKLOAD = DEV["workload"]
-DEV_PREDICTORS = [m for m in ("specprefetch", "fate") if m in P.methods]
-DEV_SIM_WORKLOADS = DEV["simulator"]["workloads"] or [DEV_WORKLOAD]
-
-
-def dev_predictor_dirs(model):
-    return [P.predictor_dir(model, m) for m in DEV_PREDICTORS]
-
-
-def dev_predictor_args(model):
-    """``--predictor METHOD=DIR ...``, already quoted shell words (the rules insert it as {params.predictors})."""
-    return P.predictor_args(model, DEV_PREDICTORS)
-
-
-localrules:
-    collect_device_benchmarks,
+# Timing rules take every core (threads: P.exclusive_threads) so nothing else runs while they measure.
 
 
 rule build_expert_store:
@@ -33,44 +8,52 @@ rule build_expert_store:
     input:
         model=lambda w: P.model_inputs(w.model),
     output:
-        directory("results/device/store/{model}"),
-    params:
-        cfg=lambda w: P.hash_of(model=w.model),
-        model_dir=lambda w: P.model_dir_arg(w.model),
+        directory(P.store_dir()),
     log:
-        "logs/build_expert_store/{model}.log",
+        P.log_path("build_expert_store", "{model}"),
     benchmark:
-        "benchmarks/build_expert_store/{model}.tsv"
+        P.benchmark_path("build_expert_store", "{model}")
+    conda:
+        P.conda_env
     threads: 1
     resources:
         **P.resources("build_expert_store"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=lambda w: P.hash_of(model=w.model),
+        model_dir=lambda w: P.model_dir_arg(w.model),
     shell:
-        "{SP} build-expert-store --config {CFG:q} --model {wildcards.model:q} {params.model_dir} --out {output:q} "
-        "2>&1 | tee {log:q}"
+        "{params.cli} build-expert-store --config {params.config:q} --model {wildcards.model:q} {params.model_dir} "
+        "--out {output:q} 2>&1 | tee {log:q}"
 
 
 rule profile_window:
     """W_l, per-expert transfer time per storage, M_max, event-level demand vs window, per-layer latency."""
     input:
-        store="results/device/store/{model}",
+        store=P.store_dir(),
         model=lambda w: P.model_inputs(w.model),
-        workload=P.workload_dir(DEV_WORKLOAD),
-        predictors=lambda w: dev_predictor_dirs(w.model),
+        workload=P.workload_dir(P.device_workload),
+        predictors=lambda w: P.device_predictor_dirs(w.model),
     output:
-        directory("results/device/window/{model}"),
-    params:
-        cfg=lambda w: P.hash_of("device", model=w.model),
-        model_dir=lambda w: P.model_dir_arg(w.model),
-        predictors=lambda w: dev_predictor_args(w.model),
+        directory(P.window_dir()),
     log:
-        "logs/profile_window/{model}.log",
+        P.log_path("profile_window", "{model}"),
     benchmark:
-        "benchmarks/profile_window/{model}.tsv"
-    threads: EXCLUSIVE_THREADS
+        P.benchmark_path("profile_window", "{model}")
+    conda:
+        P.conda_env
+    threads: P.exclusive_threads
     resources:
         **P.resources("profile_window"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=lambda w: P.hash_of("device", model=w.model),
+        model_dir=lambda w: P.model_dir_arg(w.model),
+        predictors=lambda w: P.device_predictor_args(w.model),
     shell:
-        "{SP} profile-window --config {CFG:q} --model {wildcards.model:q} {params.model_dir} "
+        "{params.cli} profile-window --config {params.config:q} --model {wildcards.model:q} {params.model_dir} "
         "--store {input.store:q} --workload-dir {input.workload:q} {params.predictors} --out {output:q} "
         "2>&1 | tee {log:q}"
 
@@ -78,27 +61,31 @@ rule profile_window:
 rule bench_runtime:
     """Paired, interleaved, repeated decoding runs of every policy / budget / storage / compute_opt."""
     input:
-        store="results/device/store/{model}",
-        window="results/device/window/{model}",
+        store=P.store_dir(),
+        window=P.window_dir(),
         model=lambda w: P.model_inputs(w.model),
-        workload=P.workload_dir(DEV_WORKLOAD),
-        predictors=lambda w: dev_predictor_dirs(w.model),
+        workload=P.workload_dir(P.device_workload),
+        predictors=lambda w: P.device_predictor_dirs(w.model),
     output:
-        runs="results/device/measured/{model}.csv",
-        routing="results/device/measured/{model}.routing.safetensors",
-    params:
-        cfg=lambda w: P.hash_of("device", model=w.model),
-        model_dir=lambda w: P.model_dir_arg(w.model),
-        predictors=lambda w: dev_predictor_args(w.model),
+        runs=P.measured_csv(),
+        routing=P.routing_file(),
     log:
-        "logs/bench_runtime/{model}.log",
+        P.log_path("bench_runtime", "{model}"),
     benchmark:
-        "benchmarks/bench_runtime/{model}.tsv"
-    threads: EXCLUSIVE_THREADS
+        P.benchmark_path("bench_runtime", "{model}")
+    conda:
+        P.conda_env
+    threads: P.exclusive_threads
     resources:
         **P.resources("bench_runtime"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=lambda w: P.hash_of("device", model=w.model),
+        model_dir=lambda w: P.model_dir_arg(w.model),
+        predictors=lambda w: P.device_predictor_args(w.model),
     shell:
-        "{SP} bench-runtime --config {CFG:q} --model {wildcards.model:q} {params.model_dir} "
+        "{params.cli} bench-runtime --config {params.config:q} --model {wildcards.model:q} {params.model_dir} "
         "--store {input.store:q} --window {input.window:q} --workload-dir {input.workload:q} {params.predictors} "
         "--out {output.runs:q} --routing-out {output.routing:q} 2>&1 | tee {log:q}"
 
@@ -106,95 +93,113 @@ rule bench_runtime:
 rule simulate_device:
     """Trace-driven simulator: the platform estimates (e.g. Snapdragon 8 Elite) from routing traces and predictors."""
     input:
-        traces=lambda w: [P.trace_dir(w.model, wl) for wl in DEV_SIM_WORKLOADS],
-        predictors=lambda w: dev_predictor_dirs(w.model),
+        traces=lambda w: [P.trace_dir(w.model, wl) for wl in P.device_sim_workloads],
+        predictors=lambda w: P.device_predictor_dirs(w.model),
     output:
-        "results/device/simulated/{model}.csv",
-    params:
-        cfg=lambda w: P.hash_of("device", model=w.model),
-        predictors=lambda w: dev_predictor_args(w.model),
+        P.simulated_csv(),
     log:
-        "logs/simulate_device/{model}.log",
+        P.log_path("simulate_device", "{model}"),
     benchmark:
-        "benchmarks/simulate_device/{model}.tsv"
+        P.benchmark_path("simulate_device", "{model}")
+    conda:
+        P.conda_env
     threads: 1
     resources:
         **P.resources("simulate_device"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=lambda w: P.hash_of("device", model=w.model),
+        predictors=lambda w: P.device_predictor_args(w.model),
     shell:
-        "{SP} simulate --config {CFG:q} --model {wildcards.model:q} --traces {input.traces:q} {params.predictors} "
-        "--out {output:q} 2>&1 | tee {log:q}"
+        "{params.cli} simulate --config {params.config:q} --model {wildcards.model:q} --traces {input.traces:q} "
+        "{params.predictors} --out {output:q} 2>&1 | tee {log:q}"
 
 
 rule validate_simulator:
     """Replay of every measured run in the simulator on this machine's profile: error per metric."""
     input:
-        window="results/device/window/{model}",
-        routing="results/device/measured/{model}.routing.safetensors",
+        window=P.window_dir(),
+        routing=P.routing_file(),
     output:
-        "results/device/sim_validation/{model}.csv",
-    params:
-        cfg=lambda w: P.hash_of("device", model=w.model),
+        P.sim_validation_csv(),
     log:
-        "logs/validate_simulator/{model}.log",
+        P.log_path("validate_simulator", "{model}"),
     benchmark:
-        "benchmarks/validate_simulator/{model}.tsv"
+        P.benchmark_path("validate_simulator", "{model}")
+    conda:
+        P.conda_env
     threads: 1
     resources:
         **P.resources("validate_simulator"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=lambda w: P.hash_of("device", model=w.model),
     shell:
-        "{SP} validate-simulator --config {CFG:q} --model {wildcards.model:q} --window {input.window:q} "
-        "--routing {input.routing:q} --out {output:q} 2>&1 | tee {log:q}"
+        "{params.cli} validate-simulator --config {params.config:q} --model {wildcards.model:q} "
+        "--window {input.window:q} --routing {input.routing:q} --out {output:q} 2>&1 | tee {log:q}"
 
 
 rule evaluate_offloaded:
     """lm-eval on the local tasks through the offloaded runtime, every policy, vs the plain model."""
     input:
-        store="results/device/store/{model}",
+        store=P.store_dir(),
         model=lambda w: P.model_inputs(w.model),
-        workloads=[P.workload_dir(w) for w in P.workloads],
-        predictors=lambda w: dev_predictor_dirs(w.model),
+        workloads=P.workload_dirs(),
+        predictors=lambda w: P.device_predictor_dirs(w.model),
     output:
-        "results/device/accuracy/{model}.csv",
-    params:
-        cfg=lambda w: P.hash_of("device", "workloads", model=w.model),
-        model_dir=lambda w: P.model_dir_arg(w.model),
-        predictors=lambda w: dev_predictor_args(w.model),
+        P.accuracy_csv(),
     log:
-        "logs/evaluate_offloaded/{model}.log",
+        P.log_path("evaluate_offloaded", "{model}"),
     benchmark:
-        "benchmarks/evaluate_offloaded/{model}.tsv"
+        P.benchmark_path("evaluate_offloaded", "{model}")
+    conda:
+        P.conda_env
     threads: 1
     resources:
         **P.resources("evaluate_offloaded"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=lambda w: P.hash_of("device", "workloads", model=w.model),
+        model_dir=lambda w: P.model_dir_arg(w.model),
+        predictors=lambda w: P.device_predictor_args(w.model),
+        # the directory of the workloads' lm-eval tasks (<dir>/<workload>/lm_eval), from the inputs
+        tasks_dir=lambda w, input: P.parent_dir(input.workloads),
     shell:
-        "{SP} evaluate-offloaded --config {CFG:q} --model {wildcards.model:q} {params.model_dir} "
-        "--store {input.store:q} {params.predictors} --tasks-dir results/workloads --out {output:q} "
+        "{params.cli} evaluate-offloaded --config {params.config:q} --model {wildcards.model:q} {params.model_dir} "
+        "--store {input.store:q} {params.predictors} --tasks-dir {params.tasks_dir:q} --out {output:q} "
         "2>&1 | tee {log:q}"
 
 
 rule collect_device_benchmarks:
     """Validate external device logs and merge them with measured and simulated runs; gather the window files."""
     input:
-        measured=expand("results/device/measured/{model}.csv", model=DEV_MODELS),
-        simulated=expand("results/device/simulated/{model}.csv", model=DEV_MODELS),
-        validation=expand("results/device/sim_validation/{model}.csv", model=DEV_MODELS),
-        windows=expand("results/device/window/{model}", model=DEV_MODELS),
-        external=DEV["external_logs"],
+        measured=[P.measured_csv(m) for m in P.device_models],
+        simulated=[P.simulated_csv(m) for m in P.device_models],
+        validation=[P.sim_validation_csv(m) for m in P.device_models],
+        windows=[P.window_dir(m) for m in P.device_models],
+        external=P.device["external_logs"],
     output:
-        runs="results/device/runs.csv",
-        window="results/device/window.csv",
-        window_events="results/device/window_events.csv",
-        latency="results/device/latency.csv",
-        validation="results/device/sim_validation.csv",
+        runs=P.result_path("runs"),
+        window=P.result_path("window"),
+        window_events=P.result_path("window_events"),
+        latency=P.result_path("latency"),
+        validation=P.sim_validation_table,
     log:
-        "logs/collect_device_benchmarks/collect.log",
+        P.log_path("collect_device_benchmarks", "collect"),
     benchmark:
-        "benchmarks/collect_device_benchmarks/collect.tsv"
+        P.benchmark_path("collect_device_benchmarks", "collect")
+    conda:
+        P.conda_env
     threads: 1
     resources:
-        mem_mb=1000,
-        runtime=5,
+        **P.resources("collect_device_benchmarks"),
+    params:
+        cli=P.cli,
+        out_dir=lambda w, output: P.parent_dir(output.runs),  # the CLI writes every output there
     shell:
-        "{SP} collect-device-benchmarks --runs {input.measured:q} {input.simulated:q} "
+        "{params.cli} collect-device-benchmarks --runs {input.measured:q} {input.simulated:q} "
         "--external {input.external:q} --windows {input.windows:q} --validation {input.validation:q} "
-        "--out-dir results/device 2>&1 | tee {log:q}"
+        "--out-dir {params.out_dir:q} 2>&1 | tee {log:q}"

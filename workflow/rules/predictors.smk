@@ -7,78 +7,94 @@ rule train_predictor:
     input:
         unpack(lambda w: P.train_inputs(w.model)),
     output:
-        directory("results/predictors/{model}/{method}"),
+        directory(P.predictor_dir()),
+    log:
+        P.log_path("train_predictor", "{model}/{method}"),
+    benchmark:
+        P.benchmark_path("train_predictor", "{model}/{method}")
+    conda:
+        P.conda_env
+    threads: 1
+    resources:
+        **P.resources("train_predictor"),
     params:
+        config=P.config_param,
         cfg=lambda w: P.hash_of("predictors", model=w.model),
         model_dir=lambda w: P.model_dir_arg(w.model),
         # shell words, quoted by P.traces_arg / P.model_dir_arg / P.train_command (inserted unquoted below)
         traces=lambda w, input: P.traces_arg(input.traces) if "traces" in input.keys() else "",
-        # predictors.training.launcher (e.g. torchrun) is a command by design, inserted as shell words: trusted text
-        run=P.train_command(sys.executable),
-    log:
-        "logs/train_predictor/{model}/{method}.log",
-    benchmark:
-        "benchmarks/train_predictor/{model}/{method}.tsv"
-    threads: 1
-    resources:
-        **P.resources("train_predictor"),
+        # the CLI, or predictors.training.launcher (e.g. torchrun, a command by design: trusted text) running it;
+        # the launcher is in the `cfg` hash, the interpreter is software: out of the params trigger, like `cli`
+        run=P.untracked(P.train_command(P.python)),
     shell:
         "export OMP_NUM_THREADS={threads:q}; "
-        "{params.run} train-predictor --config {CFG:q} --model {wildcards.model:q} --method {wildcards.method:q} "
-        "{params.traces} --corpus {input.corpus:q} {params.model_dir} --out {output:q} 2>&1 | tee {log:q}"
+        "{params.run} train-predictor --config {params.config:q} --model {wildcards.model:q} "
+        "--method {wildcards.method:q} {params.traces} --corpus {input.corpus:q} {params.model_dir} --out {output:q} "
+        "2>&1 | tee {log:q}"
 
 
 rule evaluate_recall:
     input:
-        traces="results/trace_shards/{model}/{workload}/{shard}",
+        traces=P.trace_shard_dir(),
         predictors=lambda w: [P.predictor_dir(w.model, m) for m in P.methods],
     output:
-        "results/recall/{model}/{workload}/{shard}.csv",
-    params:
-        cfg=lambda w: P.hash_of("recall", model=w.model),
-        predictors=lambda w: P.predictor_args(w.model, P.methods),  # quoted shell words
+        P.recall_csv(),
     log:
-        "logs/evaluate_recall/{model}/{workload}/{shard}.log",
+        P.log_path("evaluate_recall", "{model}/{workload}/{shard}"),
     benchmark:
-        "benchmarks/evaluate_recall/{model}/{workload}/{shard}.tsv"
+        P.benchmark_path("evaluate_recall", "{model}/{workload}/{shard}")
+    conda:
+        P.conda_env
     threads: 1
     resources:
         **P.resources("evaluate_recall"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=lambda w: P.hash_of("recall", model=w.model),
+        predictors=lambda w: P.predictor_args(w.model, P.methods),  # quoted shell words
     shell:
-        "{SP} evaluate-recall --config {CFG:q} --model {wildcards.model:q} --workload {wildcards.workload:q} "
-        "--traces {input.traces:q} {params.predictors} --out {output:q} 2>&1 | tee {log:q}"
+        "{params.cli} evaluate-recall --config {params.config:q} --model {wildcards.model:q} "
+        "--workload {wildcards.workload:q} --traces {input.traces:q} {params.predictors} --out {output:q} "
+        "2>&1 | tee {log:q}"
 
 
 rule gather_recall:
     input:
         P.recall_csvs(),
     output:
-        recall="results/recall/recall.csv",
-        per_layer="results/recall/recall_per_layer.csv",
+        recall=P.result_path("recall"),
+        per_layer=P.result_path("per_layer"),
     log:
-        "logs/gather_recall/recall.log",
+        P.log_path("gather_recall", "recall"),
     benchmark:
-        "benchmarks/gather_recall/recall.tsv"
+        P.benchmark_path("gather_recall", "recall")
+    conda:
+        P.conda_env
     threads: 1
     resources:
-        mem_mb=1000,
-        runtime=5,
+        **P.resources("gather_recall"),
+    params:
+        cli=P.cli,
     shell:
-        "{SP} gather-recall --out {output.recall:q} {input:q} 2>&1 | tee {log:q}"
+        "{params.cli} gather-recall --out {output.recall:q} {input:q} 2>&1 | tee {log:q}"
 
 
 rule gather_params:
     input:
         P.predictor_dirs(),
     output:
-        "results/predictors/params.csv",
+        P.result_path("params"),
     log:
-        "logs/gather_params/params.log",
+        P.log_path("gather_params", "params"),
     benchmark:
-        "benchmarks/gather_params/params.tsv"
+        P.benchmark_path("gather_params", "params")
+    conda:
+        P.conda_env
     threads: 1
     resources:
-        mem_mb=1000,
-        runtime=5,
+        **P.resources("gather_params"),
+    params:
+        cli=P.cli,
     shell:
-        "{SP} gather-params --out {output:q} {input:q} 2>&1 | tee {log:q}"
+        "{params.cli} gather-params --out {output:q} {input:q} 2>&1 | tee {log:q}"

@@ -2,27 +2,15 @@
 # reproduced vs reported (config/reference/paper_reported.yaml), and the compiled preview PDF.
 # Inputs are the result CSVs of the earlier stages, named per table/figure (specprefetch.render.targets): a table
 # that needs results/device/runs.csv waits for the runtime stage (or fails as a missing input) instead of
-# rendering an empty table. Outputs go to render.out_dir (default paper_tables/, committed for the embedded default).
+# rendering an empty table. Outputs go to render.out_dir (default paper_tables/, committed for the embedded default);
+# the CLI's --out-dir/--dir is derived from each rule's output.
 
 from specprefetch.render import targets as RT
-
-RENDER_DIR = RT.out_dir(P.cfg)
-# The tables follow the config's order of models and workloads (the paper's), so the order is part of the hash.
-RENDER_HASH = P.hash_of("models", "workloads", "recall", "predictors", "render") + "-" + P.order_hash()
 
 
 wildcard_constraints:
     table=P.regex(RT.TABLE_NAMES),
     figure=P.regex(RT.FIGURE_NAMES),
-
-
-localrules:
-    render_table,
-    render_figure,
-    compare_with_paper,
-    write_preview,
-    compile_preview,
-    archive_results,
 
 
 rule archive_results:
@@ -31,18 +19,20 @@ rule archive_results:
         list(RT.RESULT_PATHS.values()),
     output:
         list(RT.archive_files(P.cfg).values()),
-    params:
-        out_dir=f"{RENDER_DIR}/{RT.ARCHIVE_SUBDIR}",
     log:
-        "logs/archive_results/archive.log",
+        P.log_path("archive_results", "archive"),
     benchmark:
-        "benchmarks/archive_results/archive.tsv"
+        P.benchmark_path("archive_results", "archive")
+    conda:
+        P.conda_env
     threads: 1
     resources:
-        mem_mb=1000,
-        runtime=5,
+        **P.resources("archive_results"),
+    params:
+        cli=P.cli,
+        out_dir=lambda w, output: P.parent_dir(output),  # <render.out_dir>/results
     shell:
-        "{SP} archive-results --out-dir {params.out_dir:q} {input:q} 2>&1 | tee {log:q}"
+        "{params.cli} archive-results --out-dir {params.out_dir:q} {input:q} 2>&1 | tee {log:q}"
 
 
 rule render_table:
@@ -51,26 +41,30 @@ rule render_table:
         unpack(lambda w: RT.table_inputs(w.table)),
     output:
         tex=report(
-            f"{RENDER_DIR}/{{table}}.tex",
+            RT.table_file(P.cfg, ext="tex"),
             caption="../report/table.rst",
             category="Tables",
             labels={"table": "{table}"},
         ),
-        json=f"{RENDER_DIR}/{{table}}.json",
-    params:
-        cfg=RENDER_HASH,
-        inputs=lambda w, input: RT.input_flags(dict(input.items())),  # quoted shell words
+        json=RT.table_file(P.cfg, ext="json"),
     log:
-        "logs/render_table/{table}.log",
+        P.log_path("render_table", "{table}"),
     benchmark:
-        "benchmarks/render_table/{table}.tsv"
+        P.benchmark_path("render_table", "{table}")
+    conda:
+        P.conda_env
     threads: 1
     resources:
-        mem_mb=1000,
-        runtime=5,
+        **P.resources("render_table"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=P.render_hash(),
+        inputs=lambda w, input: RT.input_flags(dict(input.items())),  # quoted shell words
+        out_dir=lambda w, output: P.parent_dir(output.json),
     shell:
-        "{SP} render-tables --config {CFG:q} --table {wildcards.table:q} {params.inputs} "
-        "--out-dir {RENDER_DIR:q} 2>&1 | tee {log:q}"
+        "{params.cli} render-tables --config {params.config:q} --table {wildcards.table:q} {params.inputs} "
+        "--out-dir {params.out_dir:q} 2>&1 | tee {log:q}"
 
 
 rule render_figure:
@@ -78,98 +72,116 @@ rule render_figure:
     input:
         unpack(lambda w: RT.figure_inputs(w.figure)),
     output:
-        pdf=f"{RENDER_DIR}/figures/{{figure}}.pdf",
+        pdf=RT.figure_file(P.cfg, ext="pdf"),
         png=report(
-            f"{RENDER_DIR}/figures/{{figure}}.png",
+            RT.figure_file(P.cfg, ext="png"),
             caption="../report/figure.rst",
             category="Figures",
             labels={"figure": "{figure}"},
         ),
-        json=f"{RENDER_DIR}/figures/{{figure}}.json",
-    params:
-        cfg=RENDER_HASH,
-        inputs=lambda w, input: RT.input_flags(dict(input.items())),  # quoted shell words
+        json=RT.figure_file(P.cfg, ext="json"),
     log:
-        "logs/render_figure/{figure}.log",
+        P.log_path("render_figure", "{figure}"),
     benchmark:
-        "benchmarks/render_figure/{figure}.tsv"
+        P.benchmark_path("render_figure", "{figure}")
+    conda:
+        P.conda_env
     threads: 1
     resources:
-        mem_mb=2000,
-        runtime=5,
+        **P.resources("render_figure"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=P.render_hash(),
+        inputs=lambda w, input: RT.input_flags(dict(input.items())),  # quoted shell words
+        out_dir=lambda w, output: P.parent_dir(output.json),  # <render.out_dir>/figures
     shell:
         "export MPLBACKEND=Agg; "
-        "{SP} render-figures --config {CFG:q} --figure {wildcards.figure:q} {params.inputs} "
-        "--out-dir {RENDER_DIR:q}/figures 2>&1 | tee {log:q}"
+        "{params.cli} render-figures --config {params.config:q} --figure {wildcards.figure:q} {params.inputs} "
+        "--out-dir {params.out_dir:q} 2>&1 | tee {log:q}"
 
 
 rule compare_with_paper:
     """Reproduced vs reported for every table (<table>_vs_paper.tex), the paper's claims, comparison.md."""
     input:
-        tables=expand(f"{RENDER_DIR}/{{table}}.json", table=RT.TABLE_NAMES),
-        figures=expand(f"{RENDER_DIR}/figures/{{figure}}.json", figure=RT.FIGURE_NAMES),
+        tables=[RT.table_file(P.cfg, t, "json") for t in RT.TABLE_NAMES],
+        figures=[RT.figure_file(P.cfg, f, "json") for f in RT.FIGURE_NAMES],
         reported=str(P.workdir / RT.REPORTED),
     output:
-        vs=expand(f"{RENDER_DIR}/{{table}}_vs_paper.tex", table=RT.TABLE_NAMES),
-        figures_vs=f"{RENDER_DIR}/figures_vs_paper.tex",
+        vs=[RT.vs_paper_file(P.cfg, t) for t in RT.TABLE_NAMES],
+        figures_vs=RT.comparison_file(P.cfg, "figures_vs_paper.tex"),
         md=report(
-            f"{RENDER_DIR}/comparison.md",
+            RT.comparison_file(P.cfg, "comparison.md"),
             caption="../report/comparison.rst",
             category="Comparison with the paper",
         ),
-        json=f"{RENDER_DIR}/comparison.json",
-    params:
-        cfg=RENDER_HASH,
+        json=RT.comparison_file(P.cfg, "comparison.json"),
     log:
-        "logs/compare_with_paper/compare.log",
+        P.log_path("compare_with_paper", "compare"),
     benchmark:
-        "benchmarks/compare_with_paper/compare.tsv"
+        P.benchmark_path("compare_with_paper", "compare")
+    conda:
+        P.conda_env
     threads: 1
     resources:
-        mem_mb=1000,
-        runtime=5,
+        **P.resources("compare_with_paper"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=P.render_hash(),
+        out_dir=lambda w, output: P.parent_dir(output.json),
     shell:
-        "{SP} compare-paper --config {CFG:q} --tables {input.tables:q} --figures {input.figures:q} "
-        "--reported {input.reported:q} --out-dir {RENDER_DIR:q} 2>&1 | tee {log:q}"
+        "{params.cli} compare-paper --config {params.config:q} --tables {input.tables:q} "
+        "--figures {input.figures:q} --reported {input.reported:q} --out-dir {params.out_dir:q} 2>&1 | tee {log:q}"
 
 
 rule write_preview:
     """The preview document (paper_tables.tex) that \\input's every table, comparison and figure."""
     input:
-        tables=expand(f"{RENDER_DIR}/{{table}}.tex", table=RT.TABLE_NAMES),
-        figures=expand(f"{RENDER_DIR}/figures/{{figure}}.{{ext}}", figure=RT.FIGURE_NAMES, ext=["pdf", "json"]),
+        tables=[RT.table_file(P.cfg, t, "tex") for t in RT.TABLE_NAMES],
+        figures=[RT.figure_file(P.cfg, f, ext) for f in RT.FIGURE_NAMES for ext in ("pdf", "json")],
         comparison=rules.compare_with_paper.output.vs,
         figures_vs=rules.compare_with_paper.output.figures_vs,
     output:
-        f"{RENDER_DIR}/paper_tables.tex",
+        RT.preview_file(P.cfg, "tex"),
     log:
-        "logs/write_preview/preview.log",
+        P.log_path("write_preview", "preview"),
     benchmark:
-        "benchmarks/write_preview/preview.tsv"
+        P.benchmark_path("write_preview", "preview")
+    conda:
+        P.conda_env
     threads: 1
     resources:
-        mem_mb=500,
-        runtime=5,
+        **P.resources("write_preview"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        out_dir=lambda w, output: P.parent_dir(output),
     shell:
-        "{SP} compile-preview --config {CFG:q} --dir {RENDER_DIR:q} --tex {output:q} --tex-only "
-        "2>&1 | tee {log:q}"
+        "{params.cli} compile-preview --config {params.config:q} --dir {params.out_dir:q} --tex {output:q} "
+        "--tex-only 2>&1 | tee {log:q}"
 
 
 rule compile_preview:
     """paper_tables.pdf with pdflatex (only in the DAG where pdflatex is installed: RT.preview_files)."""
     input:
-        tex=f"{RENDER_DIR}/paper_tables.tex",
+        tex=RT.preview_file(P.cfg, "tex"),
         parts=rules.write_preview.input,
     output:
-        report(f"{RENDER_DIR}/paper_tables.pdf", caption="../report/preview.rst", category="Preview"),
+        report(RT.preview_file(P.cfg, "pdf"), caption="../report/preview.rst", category="Preview"),
     log:
-        "logs/compile_preview/preview.log",
+        P.log_path("compile_preview", "preview"),
     benchmark:
-        "benchmarks/compile_preview/preview.tsv"
+        P.benchmark_path("compile_preview", "preview")
+    conda:
+        P.conda_env
     threads: 1
     resources:
-        mem_mb=1000,
-        runtime=10,
+        **P.resources("compile_preview"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        out_dir=lambda w, output: P.parent_dir(output),
     shell:
-        "{SP} compile-preview --config {CFG:q} --dir {RENDER_DIR:q} --tex {input.tex:q} --out {output:q} "
-        "--pdf-only 2>&1 | tee {log:q}"
+        "{params.cli} compile-preview --config {params.config:q} --dir {params.out_dir:q} --tex {input.tex:q} "
+        "--out {output:q} --pdf-only 2>&1 | tee {log:q}"

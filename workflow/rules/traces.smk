@@ -7,30 +7,31 @@ wildcard_constraints:
     shard=r"\d+",
 
 
-localrules:
-    gather_traces,
-
-
 rule extract_traces:
     input:
         workload=lambda w: P.workload_dir(w.workload),
         model=lambda w: P.model_inputs(w.model),
     output:
-        directory("results/trace_shards/{model}/{workload}/{shard}"),
-    params:
-        cfg=lambda w: P.hash_of("traces", "image", model=w.model, workload=w.workload),
-        model_dir=lambda w: P.model_dir_arg(w.model),
-        n=P.scatter,
+        directory(P.trace_shard_dir()),
     log:
-        "logs/extract_traces/{model}/{workload}/{shard}.log",
+        P.log_path("extract_traces", "{model}/{workload}/{shard}"),
     benchmark:
-        "benchmarks/extract_traces/{model}/{workload}/{shard}.tsv"
+        P.benchmark_path("extract_traces", "{model}/{workload}/{shard}")
+    cache: P.cache_mode("extract_traces")
+    conda:
+        P.conda_env
     threads: 1
     resources:
         **P.resources("extract_traces"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=lambda w: P.hash_of("traces", "image", model=w.model, workload=w.workload),
+        model_dir=lambda w: P.model_dir_arg(w.model),
+        n=P.scatter,
     shell:
         "export OMP_NUM_THREADS={threads:q}; "
-        "{SP} extract-traces --config {CFG:q} --model {wildcards.model:q} {params.model_dir} "
+        "{params.cli} extract-traces --config {params.config:q} --model {wildcards.model:q} {params.model_dir} "
         "--workload-dir {input.workload:q} --shard {wildcards.shard:q}/{params.n:q} --threads {threads:q} "
         "--out {output:q} 2>&1 | tee {log:q}"
 
@@ -39,14 +40,17 @@ rule gather_traces:
     input:
         lambda w: P.trace_shard_dirs(w.model, w.workload),
     output:
-        directory("results/traces/{model}/{workload}"),
+        directory(P.trace_dir()),
     log:
-        "logs/gather_traces/{model}/{workload}.log",
+        P.log_path("gather_traces", "{model}/{workload}"),
     benchmark:
-        "benchmarks/gather_traces/{model}/{workload}.tsv"
+        P.benchmark_path("gather_traces", "{model}/{workload}")
+    conda:
+        P.conda_env
     threads: 1
     resources:
-        mem_mb=2000,
-        runtime=30,
+        **P.resources("gather_traces"),
+    params:
+        cli=P.cli,
     shell:
-        "{SP} gather-traces {input:q} --out {output:q} 2>&1 | tee {log:q}"
+        "{params.cli} gather-traces {input:q} --out {output:q} 2>&1 | tee {log:q}"

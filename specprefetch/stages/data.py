@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from specprefetch.cli import add_config_arg, load_args_config
+from specprefetch.stages.common import add_config_arg, load_args_config
 
 log = logging.getLogger(__name__)
 

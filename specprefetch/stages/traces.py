@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specprefetch.cli import add_config_arg, load_args_config
+from specprefetch.stages.common import add_config_arg, add_model_args, load_args_config
 
 
 def _cmd_extract(args: argparse.Namespace) -> None:
@@ -53,7 +53,7 @@ def _cmd_stats(args: argparse.Namespace) -> None:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> None:
-    from specprefetch.sizing import estimate, render_estimate, trace_sets
+    from specprefetch.traces.sizing import estimate, render_estimate, trace_sets
 
     cfg = load_args_config(args)
     samples = {}
@@ -69,9 +69,7 @@ def _cmd_estimate(args: argparse.Namespace) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("extract-traces", help="run a model over a workload and store its routing traces")
-    add_config_arg(p)
-    p.add_argument("--model", required=True, help="model name (a key of config.models)")
-    p.add_argument("--model-dir", type=Path, default=None, help="local model directory (stand-ins; else the hub)")
+    add_model_args(p)
     p.add_argument("--workload-dir", required=True, type=Path, help="workload directory (samples.jsonl)")
     p.add_argument("--out", required=True, type=Path, help="trace directory to write (atomically)")
     p.add_argument("--device", default="cpu", help="torch device for the forward passes")

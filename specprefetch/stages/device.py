@@ -20,21 +20,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from specprefetch.cli import add_config_arg, load_args_config
 from specprefetch.contracts import ContractError, read_doc
 from specprefetch.io import SpecPrefetchError, seed_everything, write_json_atomic
+from specprefetch.stages.common import add_model_args, load_args_config, parse_predictor_args
 
 log = logging.getLogger(__name__)
-
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    add_config_arg(p)
-    p.add_argument("--model", required=True, help="model name of the config")
-    p.add_argument("--model-dir", type=Path, default=None, help="stand-in / local checkpoint directory")
 
 
 def _predictor_arg(p: argparse.ArgumentParser) -> None:
@@ -47,40 +40,6 @@ def _device_arg(p: argparse.ArgumentParser) -> None:
                    help="accelerator (default: config device.accelerator)")
 
 
-def parse_predictors(items: list[str]) -> dict[str, Path]:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise SpecPrefetchError(f"--predictor {item!r}: expected METHOD=DIR")
-        method, d = item.split("=", 1)
-        out[method.strip()] = Path(d)
-    return out
-
-
-def provider_factories(pred_dirs: dict[str, Path], spec: Any, device: str,
-                       model: str | None = None) -> dict[str, Callable[[], Any]]:
-    """Factories of priority providers: trained predictors from their directories; FATE also from the gates.
-
-    With ``model``, each predictor must have been trained for that model (its meta.json says so)."""
-    from specprefetch.predictors.base import load_predictor, read_meta
-    from specprefetch.runtime.priority import PredictorPriority, fate_from_model
-
-    out: dict[str, Callable[[], Any]] = {}
-    for method, d in pred_dirs.items():
-        trained_for = read_meta(d).get("model")
-        if model is not None and trained_for != model:
-            raise SpecPrefetchError(f"{d}: predictor trained for model {trained_for!r}, not {model!r}")
-        pred = load_predictor(d)
-        if pred.dims.n_layers != spec.n_layers or pred.dims.n_experts != spec.n_experts:
-            raise SpecPrefetchError(f"{d}: predictor for L={pred.dims.n_layers}, n={pred.dims.n_experts}; "
-                                    f"the model has L={spec.n_layers}, n={spec.n_experts}")
-        out[method] = (lambda p=pred: PredictorPriority(p, device))
-    if "fate" not in out:
-        fate = fate_from_model(spec)
-        out["fate"] = lambda: PredictorPriority(fate, device)
-    return out
-
-
 def _setup(args: argparse.Namespace, need_prompts: bool = True) -> dict[str, Any]:
     """Config, settings, accelerator, model bundle, store, prompts and providers shared by the commands."""
     import torch
@@ -91,9 +50,9 @@ def _setup(args: argparse.Namespace, need_prompts: bool = True) -> dict[str, Any
     from specprefetch.runtime.store import ExpertStore
 
     cfg = load_args_config(args)
-    s = device_settings(cfg)
-    accel = resolve_accelerator(s, getattr(args, "device", None))
-    torch.set_num_threads(int(s["threads"]))
+    settings = device_settings(cfg)
+    accel = resolve_accelerator(settings, getattr(args, "device", None))
+    torch.set_num_threads(int(settings["threads"]))
     seed_everything(int(cfg["seed"]))
     torch.use_deterministic_algorithms(False)  # inference only; keeps CUDA kernels available
     bundle = load_bundle(cfg, args.model, args.model_dir)
@@ -103,9 +62,11 @@ def _setup(args: argparse.Namespace, need_prompts: bool = True) -> dict[str, Any
     prompts = []
     if need_prompts:
         wdir = args.workload_dir
-        prompts = prompts_from_workload(bundle, wdir, int(s["n_prompts"]), int(s["max_prompt_tokens"]))
-    providers = provider_factories(parse_predictors(args.predictor), bundle.routing, accel, args.model)
-    return {"cfg": cfg, "s": s, "accel": accel, "platform": platform_label(s, accel), "bundle": bundle,
+        prompts = prompts_from_workload(bundle, wdir, int(settings["n_prompts"]), int(settings["max_prompt_tokens"]))
+    from specprefetch.runtime.priority import provider_factories
+
+    providers = provider_factories(parse_predictor_args(args.predictor), bundle.routing, accel, args.model)
+    return {"cfg": cfg, "s": settings, "accel": accel, "platform": platform_label(settings, accel), "bundle": bundle,
             "store": store, "prompts": prompts, "providers": providers}
 
 
@@ -149,11 +110,11 @@ def _cmd_profile_window(args: argparse.Namespace) -> None:
     from specprefetch.runtime.window import profile_window
 
     env = _setup(args)
-    h = _harness(env)
+    harness = _harness(env)
     try:
-        profile_window(h, args.model, env["platform"], args.out, _fragment(env["cfg"], args.model))
+        profile_window(harness, args.model, env["platform"], args.out, _fragment(env["cfg"], args.model))
     finally:
-        h.close()
+        harness.close()
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
@@ -161,22 +122,22 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 
     env = _setup(args)
     profile = _window_profile(args.window, args.model)
-    h = _harness(env, scale=float(profile.get("emulation_scale", 1.0)))
+    harness = _harness(env, scale=float(profile.get("emulation_scale", 1.0)))
     from specprefetch.runtime.settings import experiments_for
 
     experiments = args.experiments.split(",") if args.experiments else experiments_for(env["s"], args.model)
     try:
-        bench_runtime(h, profile, args.model, env["platform"], args.out, experiments, args.routing_out,
+        bench_runtime(harness, profile, args.model, env["platform"], args.out, experiments, args.routing_out,
                       _fragment(env["cfg"], args.model))
     finally:
-        h.close()
+        harness.close()
 
 
 def _cmd_validate_simulator(args: argparse.Namespace) -> None:
     import torch
 
-    from specprefetch.runtime.settings import device_settings
     from specprefetch.contracts import ROUTING_FORMAT, load_tensor_tree
+    from specprefetch.runtime.settings import device_settings
     from specprefetch.runtime.simrun import (
         check_routing_record,
         summarize_validation,
@@ -185,12 +146,12 @@ def _cmd_validate_simulator(args: argparse.Namespace) -> None:
     )
 
     cfg = load_args_config(args)
-    s = device_settings(cfg)
-    torch.set_num_threads(int(s["threads"]))
+    settings = device_settings(cfg)
+    torch.set_num_threads(int(settings["threads"]))
     profile = _window_profile(args.window, args.model)
     record = load_tensor_tree(args.routing, ROUTING_FORMAT, "routing record of bench-runtime")
     check_routing_record(record, args.routing, args.model)
-    val = validate_simulator(record, profile, s)
+    val = validate_simulator(record, profile, settings)
     summary = summarize_validation(val)
     log.info("simulator vs measured, mean |relative error|: %s",
              ", ".join(f"{k} {v:.1%}" for k, v in summary.items()))
@@ -207,8 +168,8 @@ def _cmd_simulate(args: argparse.Namespace) -> None:
     from specprefetch.traces.store import TraceReader
 
     cfg = load_args_config(args)
-    s = device_settings(cfg)
-    torch.set_num_threads(int(s["threads"]))
+    settings = device_settings(cfg)
+    torch.set_num_threads(int(settings["threads"]))
     rows: list[dict[str, Any]] = []
     platforms: list[dict[str, Any]] = []
     arch = cfg["models"][args.model]["arch"]
@@ -217,10 +178,13 @@ def _cmd_simulate(args: argparse.Namespace) -> None:
         if reader.manifest["model"] != args.model:
             raise SpecPrefetchError(f"{reader.dir}: trace of model {reader.manifest['model']!r}, not {args.model!r}")
     spec_like = _TraceSpec(readers[0])
-    providers = (provider_factories(parse_predictors(args.predictor), spec_like, "cpu", args.model)
+    from specprefetch.runtime.priority import provider_factories
+
+    providers = (provider_factories(parse_predictor_args(args.predictor), spec_like, "cpu", args.model)
                  if args.predictor else {})
-    for platform in s["simulator"]["platforms"]:
-        r, meta = simulate_platform(platform, args.model, arch, readers, providers, s, experiments_for(s, args.model))
+    for platform in settings["simulator"]["platforms"]:
+        r, meta = simulate_platform(platform, args.model, arch, readers, providers, settings,
+                                    experiments_for(settings, args.model))
         rows.extend(r)
         platforms.append({"traces": [str(t) for t in args.traces], **meta})
     write_runs_csv(args.out, rows)
@@ -262,12 +226,12 @@ def _cmd_evaluate_offloaded(args: argparse.Namespace) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build-expert-store", help="write a model's routed experts as one aligned record each")
-    _model_args(p)
+    add_model_args(p)
     p.add_argument("--out", required=True, type=Path)
     p.set_defaults(func=_cmd_build_store)
 
     p = sub.add_parser("profile-window", help="measure W_l, per-expert transfer time, M_max, layer latency")
-    _model_args(p)
+    add_model_args(p)
     p.add_argument("--store", required=True, type=Path)
     p.add_argument("--workload-dir", required=True, type=Path)
     _predictor_arg(p)
@@ -276,7 +240,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_profile_window)
 
     p = sub.add_parser("bench-runtime", help="paired interleaved runtime benchmarks -> runs CSV")
-    _model_args(p)
+    add_model_args(p)
     p.add_argument("--store", required=True, type=Path)
     p.add_argument("--window", required=True, type=Path, help="profile-window output directory")
     p.add_argument("--workload-dir", required=True, type=Path)
@@ -288,16 +252,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("simulate", help="trace-driven simulator: platform estimates from routing traces")
-    add_config_arg(p)
-    p.add_argument("--model", required=True)
+    add_model_args(p, model_dir=False)
     p.add_argument("--traces", nargs="+", required=True, type=Path, help="routing traces (results/traces/M/W)")
     _predictor_arg(p)
     p.add_argument("--out", required=True, type=Path, help="simulated runs CSV (runs.csv format)")
     p.set_defaults(func=_cmd_simulate)
 
     p = sub.add_parser("validate-simulator", help="replay every measured run in the simulator: error per metric")
-    add_config_arg(p)
-    p.add_argument("--model", required=True)
+    add_model_args(p, model_dir=False)
     p.add_argument("--window", required=True, type=Path, help="profile-window output directory")
     p.add_argument("--routing", required=True, type=Path, help="bench-runtime --routing-out file")
     p.add_argument("--out", required=True, type=Path, help="simulator-vs-measured CSV")
@@ -312,7 +274,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_collect)
 
     p = sub.add_parser("evaluate-offloaded", help="lm-eval through the offloaded runtime vs the plain model")
-    _model_args(p)
+    add_model_args(p)
     p.add_argument("--store", required=True, type=Path)
     _predictor_arg(p)
     _device_arg(p)

@@ -75,7 +75,7 @@ def _samples(cfg: Mapping[str, Any], workload: str, overrides: Mapping[str, int]
 def _tokens_per_sample(cfg: Mapping[str, Any], model: str, workload: str) -> int:
     """Assumed mean tokens per sample: text, plus the merged image tokens of a VLM sample, capped by max_length."""
     img = cfg.get("image") or {}
-    image_tokens = (img.get("size", 0) // max(1, img.get("patch_size", 1))) ** 2 // 4  # 2x2-merged patches
+    image_tokens = (img["size"] // img["patch_size"]) ** 2 // 4  # 2x2-merged patches
     if workload == "corpus":  # a mixture: text, with images in the share of its VLM sources
         category = "LLM"
         vlm_share = sum(v for k, v in cfg["train_corpus"].get("mixture", {}).items()
@@ -116,7 +116,7 @@ def estimate(cfg: Mapping[str, Any], results: Path | None = None, samples: Mappi
     sets = trace_sets(cfg, results, samples) if sets is None else sets
     corpus_tokens = {m: _samples(cfg, "corpus", samples or {}) * _tokens_per_sample(cfg, m, "corpus")
                      for m in cfg["models"]}
-    scatter = int(cfg["traces"].get("scatter", 1))
+    scatter = int(cfg["traces"]["scatter"])
     methods = list(cfg["predictors"]["methods"])
     learned = [m for m in methods if m in LEARNED_METHODS]
     epochs = float(cfg["predictors"]["training"]["epochs"])
@@ -151,7 +151,8 @@ def estimate(cfg: Mapping[str, Any], results: Path | None = None, samples: Mappi
 def render_estimate(cfg: Mapping[str, Any], rows: list[dict[str, Any]], sets: list[TraceSet]) -> str:
     """The estimate as Markdown: per trace set, then per rule."""
     lines = [f"Profile {cfg['profile']}: trace sets (bytes/token from the config's dims and dtypes)", "",
-             "| model | trace set | samples | tokens | source | bytes/token | storage (GB) |", "|---|---|---:|---:|---|---:|---:|"]
+             "| model | trace set | samples | tokens | source | bytes/token | storage (GB) |",
+             "|---|---|---:|---:|---|---:|---:|"]
     for s in sets:
         lines.append(f"| {s.model} | {s.workload} | {s.samples:,} | {s.tokens:,} | "
                      f"{'measured' if s.measured else 'estimated'} | {s.bytes_per_token:,} | {s.bytes / 1e9:,.2f} |")

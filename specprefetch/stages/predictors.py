@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specprefetch.cli import add_config_arg, load_args_config
-from specprefetch.io import SpecPrefetchError
+from specprefetch.stages.common import add_model_args, load_args_config, parse_predictor_args
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
-    from specprefetch.train import train_predictor
+    from specprefetch.predictors.train import train_predictor
 
     cfg = load_args_config(args)
     meta = train_predictor(cfg, args.model, args.method, args.traces, args.out, model_dir=args.model_dir,
@@ -20,21 +19,8 @@ def _cmd_train(args: argparse.Namespace) -> None:
           f"final loss {loss if loss is None else f'{loss:.4f}'}, {meta['wall_time_s']:.1f}s -> {args.out}")
 
 
-def parse_predictor_args(values: list[str]) -> dict[str, Path]:
-    """``METHOD=DIR`` pairs -> {method: dir}; a malformed or repeated method is an error naming it."""
-    out: dict[str, Path] = {}
-    for v in values:
-        method, sep, path = v.partition("=")
-        if not sep or not method or not path:
-            raise SpecPrefetchError(f"invalid --predictor {v!r}: use METHOD=DIR")
-        if method in out:
-            raise SpecPrefetchError(f"--predictor {method} given twice")
-        out[method] = Path(path)
-    return out
-
-
 def _cmd_evaluate(args: argparse.Namespace) -> None:
-    from specprefetch.metrics import evaluate_recall
+    from specprefetch.predictors.evaluate import evaluate_recall
 
     cfg = load_args_config(args)
     df = evaluate_recall(cfg, args.model, args.workload, args.traces, parse_predictor_args(args.predictor),
@@ -43,14 +29,14 @@ def _cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def _cmd_gather_recall(args: argparse.Namespace) -> None:
-    from specprefetch.metrics import gather_recall
+    from specprefetch.predictors.evaluate import gather_recall
 
     df = gather_recall(args.inputs, args.out)
     print(f"{len(df)} rows -> {args.out}")
 
 
 def _cmd_gather_params(args: argparse.Namespace) -> None:
-    from specprefetch.metrics import gather_params
+    from specprefetch.predictors.evaluate import gather_params
 
     df = gather_params(args.dirs, args.out)
     print(df.to_string(index=False))
@@ -58,19 +44,16 @@ def _cmd_gather_params(args: argparse.Namespace) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-predictor", help="train (or fit) one next-layer expert predictor")
-    add_config_arg(p)
-    p.add_argument("--model", required=True, help="model name in the config")
+    add_model_args(p)
     p.add_argument("--method", required=True, help="specprefetch, fate, single_mlp, promoe, draft_model, "
                                                     "previous_token, frequency or oracle")
     p.add_argument("--traces", type=Path, default=None, help="corpus trace directory")
-    p.add_argument("--model-dir", type=Path, default=None, help="frozen model directory (draft-model init; online)")
     p.add_argument("--corpus", type=Path, default=None, help="corpus workload directory (source: online)")
     p.add_argument("--out", required=True, type=Path, help="output predictor directory")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("evaluate-recall", help="ExpertRecall@M of saved predictors on one workload trace")
-    add_config_arg(p)
-    p.add_argument("--model", required=True)
+    add_model_args(p, model_dir=False)
     p.add_argument("--workload", required=True)
     p.add_argument("--traces", required=True, type=Path, help="the workload's trace directory")
     p.add_argument("--predictor", action="append", required=True, metavar="METHOD=DIR")

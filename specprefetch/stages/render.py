@@ -17,7 +17,7 @@ import logging
 import sys
 from pathlib import Path
 
-from specprefetch.cli import add_config_arg, load_args_config
+from specprefetch.stages.common import add_config_arg, load_args_config
 
 log = logging.getLogger(__name__)
 

@@ -145,9 +145,9 @@ def _make_trainer(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mappin
     ds = tcfg.get("deepspeed_config")
     if ds and not cuda:
         log.info("deepspeed_config %s ignored: no CUDA device", ds)
-    betas = tcfg.get("betas", [0.9, 0.999])
-    warmup = float(tcfg.get("warmup_ratio", 0.0))
-    scheduler = tcfg.get("scheduler", "cosine")
+    betas = tcfg["betas"]
+    warmup = float(tcfg["warmup_ratio"])
+    scheduler = tcfg["scheduler"]
     if scheduler not in SCHEDULERS:
         raise SpecPrefetchError(f"invalid predictors.training.scheduler {scheduler!r}")
     args = TrainingArguments(
@@ -158,18 +158,18 @@ def _make_trainer(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mappin
         learning_rate=float(tcfg["lr"]),
         adam_beta1=float(betas[0]),
         adam_beta2=float(betas[1]),
-        adam_epsilon=float(tcfg.get("eps", 1e-8)),
-        weight_decay=float(tcfg.get("weight_decay", 0.0)),
+        adam_epsilon=float(tcfg["eps"]),
+        weight_decay=float(tcfg["weight_decay"]),
         optim="adamw_torch",
         lr_scheduler_type=SCHEDULERS[scheduler],
         warmup_steps=warmup if warmup < 1 else steps,
-        max_grad_norm=float(tcfg.get("max_grad_norm", 1.0)),
+        max_grad_norm=float(tcfg["max_grad_norm"]),
         bf16=precision == "bf16",
         seed=int(tcfg["seed"]),
         data_seed=int(tcfg["seed"]),
         logging_steps=max(1, steps // 20),
-        save_strategy="steps" if int(tcfg.get("checkpoint_steps", 0)) > 0 else "no",
-        save_steps=max(1, int(tcfg.get("checkpoint_steps", 0))),
+        save_strategy="steps" if int(tcfg["checkpoint_steps"]) > 0 else "no",
+        save_steps=max(1, int(tcfg["checkpoint_steps"])),
         save_total_limit=1,
         report_to="none",
         remove_unused_columns=False,
@@ -229,7 +229,7 @@ def _fit_learned(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mapping
              else int(os.environ.get("WORLD_SIZE", 1)))
     steps = steps_for(dataset.n_chunks, float(tcfg["epochs"]), world)
     loss_log: list[float] = []
-    use_ckpt = ckpt_dir is not None and int(tcfg.get("checkpoint_steps", 0)) > 0
+    use_ckpt = ckpt_dir is not None and int(tcfg["checkpoint_steps"]) > 0
     resume = latest_checkpoint(ckpt_dir) if use_ckpt else None
     with contextlib.ExitStack() as stack:
         out = str(ckpt_dir) if use_ckpt else stack.enter_context(
@@ -278,7 +278,7 @@ def train_predictor(
     mcfg = _model_cfg(cfg, model_name)
     tcfg = cfg["predictors"]["training"]
     seed = int(tcfg["seed"])
-    source = tcfg.get("source", "traces")
+    source = tcfg["source"]
     if source not in ("traces", "online"):
         raise SpecPrefetchError(f"invalid predictors.training.source {source!r}: use traces or online")
     model_dir = Path(model_dir) if model_dir is not None else None
@@ -304,7 +304,7 @@ def train_predictor(
         dims = PredictorDims.from_manifest(reader.manifest)
         max_id = -1
         if learned:
-            dataset = TraceChunks(reader, int(tcfg.get("batch_tokens", 1024)), seed=seed, shuffle=True)
+            dataset = TraceChunks(reader, int(tcfg["batch_tokens"]), seed=seed, shuffle=True)
             max_id = dataset.max_token_id
         _check_dims_vs_config(dims, mcfg, f"trace {train_traces}")
 
@@ -321,10 +321,10 @@ def train_predictor(
 
     run: dict[str, Any] = {"source": "online" if online else "traces"}
     if learned:
-        precision = resolve_precision(tcfg.get("precision", "auto"))
-        run.update(precision=precision, batch_tokens=int(tcfg.get("batch_tokens", 1024)))
+        precision = resolve_precision(tcfg["precision"])
+        run.update(precision=precision, batch_tokens=int(tcfg["batch_tokens"]))
         ckpt_dir = None
-        if int(tcfg.get("checkpoint_steps", 0)) > 0:
+        if int(tcfg["checkpoint_steps"]) > 0:
             fingerprint = config_hash({"model": dict(mcfg), "method": method, "method_cfg": predictor.method_cfg,
                                        "training": dict(tcfg), "dims": dataclasses.asdict(dims), "online": online,
                                        "trace": sha256_file(Path(train_traces) / "manifest.json")
@@ -396,6 +396,6 @@ def _online_dataset(cfg: Mapping[str, Any], model_name: str, model_dir: Path | N
     samples = read_workload(Path(corpus_dir))
     if not samples:
         raise SpecPrefetchError(f"{corpus_dir}: the corpus has no samples")
-    dataset = OnlineChunks(bundle, samples, Path(corpus_dir), int(tcfg.get("batch_tokens", 1024)),
+    dataset = OnlineChunks(bundle, samples, Path(corpus_dir), int(tcfg["batch_tokens"]),
                            cfg.get("traces") or {}, seed=int(tcfg["seed"]), shuffle=True)
     return bundle, dataset

@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from specprefetch.cli import add_config_arg, load_args_config
+from specprefetch.stages.common import add_model_args, load_args_config
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +38,12 @@ def _cmd_inspect(args: argparse.Namespace) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pretrain-stand-in", help="train a tiny MoE stand-in from scratch on the corpus")
-    add_config_arg(p)
-    p.add_argument("--model", required=True, help="model name (a key of config.models, source stand_in)")
+    add_model_args(p, model_dir=False)
     p.add_argument("--corpus", required=True, type=Path, help="corpus directory (workload format)")
     p.add_argument("--tokenizer", required=True, type=Path, help="tokenizer directory (save_pretrained)")
     p.add_argument("--out", required=True, type=Path, help="output model directory (written atomically)")
     p.set_defaults(func=_cmd_pretrain)
 
     p = sub.add_parser("inspect-model", help="load a model and print its discovered MoE routing")
-    add_config_arg(p)
-    p.add_argument("--model", required=True, help="model name (a key of config.models)")
-    p.add_argument("--model-dir", type=Path, default=None, help="stand-in or local checkpoint directory")
+    add_model_args(p)
     p.set_defaults(func=_cmd_inspect)
