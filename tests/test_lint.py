@@ -70,14 +70,13 @@ def test_snakefmt_is_clean() -> None:
 
 def test_ruff_is_clean() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    if "ruff" not in pyproject.get("tool", {}):
-        pytest.skip("no [tool.ruff] in pyproject.toml yet")
+    assert "ruff" in pyproject.get("tool", {}), "pyproject.toml configures ruff ([tool.ruff])"
     if importlib.util.find_spec("ruff") is not None:
         cmd = [sys.executable, "-m", "ruff"]
     elif shutil.which("ruff"):
         cmd = [shutil.which("ruff")]
     else:
-        pytest.skip("ruff is not installed")
+        pytest.fail("ruff is not installed (it is in the test extra: pip install -e '.[test]')")
     res = subprocess.run([*cmd, "check", "."], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
 
