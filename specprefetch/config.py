@@ -254,12 +254,19 @@ def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
     ds = cfg["predictors"]["training"].get("deepspeed_config")
     if ds:
         _check_path(ds, "predictors.training.deepspeed_config", base_dir)
+    for method in LEARNED_METHODS:  # <key>_per_model: {model: value} overrides <key> for the models it names
+        for key, table in (cfg["predictors"].get(method) or {}).items():
+            unknown = sorted(set(table) - set(cfg["models"])) if key.endswith("_per_model") else []
+            if unknown:
+                raise ConfigError(f"invalid config key 'predictors.{method}.{key}': unknown model(s) "
+                                  f"{', '.join(unknown)} (models: {', '.join(cfg['models'])})")
     dm = cfg["predictors"].get("draft_model")
-    if dm and dm["d_model"] % dm["num_heads"]:
-        raise ConfigError(
-            "invalid config key 'predictors.draft_model.num_heads': must divide d_model "
-            f"({dm['d_model']} % {dm['num_heads']} != 0)"
-        )
+    for name in cfg["models"] if dm else ():
+        d_model = (dm.get("d_model_per_model") or {}).get(name, dm["d_model"])
+        heads = (dm.get("num_heads_per_model") or {}).get(name, dm["num_heads"])
+        if d_model % heads:
+            raise ConfigError(f"invalid config key 'predictors.draft_model.num_heads': must divide d_model for "
+                              f"model {name} ({d_model} % {heads} != 0)")
 
 
 def _check_path(value: str | None, key: str, base_dir: Path) -> None:

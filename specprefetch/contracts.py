@@ -294,7 +294,7 @@ RUN_COLUMNS = [
     "platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat", "tokens_per_s",
     "ready_recall", "n_tokens", "hits", "misses", "prefetched", "wasted", "stall_ms", "source",
     "inflight", "cancelled", "demand_loads", "io_errors", "peak_cache_experts", "capacity_experts",
-    "peak_cache_bytes", "capacity_bytes", "decode_s", "charge", "tokens_match", "measured_in",
+    "peak_cache_bytes", "capacity_bytes", "decode_s", "charge", "tokens_match", "measured_in", "run_order",
 ]
 RUN_KEY_COLUMNS = 17  # the first 17 (up to ``source``) every runs CSV must have, measured, simulated or merged
 

@@ -597,3 +597,14 @@ def test_simulator_platforms_are_the_config_vocabulary() -> None:
     from specprefetch.runtime.platforms import PLATFORMS
 
     assert tuple(PLATFORMS) == SIM_PLATFORMS
+
+
+def test_benchmark_blocks_run_in_a_seeded_random_order() -> None:
+    """No configuration is always first in its block: each (experiment, repeat) has its own, reproducible order."""
+    from specprefetch.runtime.bench import RunConfig, block_order
+
+    configs = [RunConfig("main", p, "nvme_cold", 4) for p in ("off", "pred0", "specprefetch", "naive", "fate")]
+    orders = [block_order(configs, 7, "main", r) for r in range(6)]
+    assert all(sorted(o, key=configs.index) == configs for o in orders)  # a permutation, nothing lost
+    assert len({o[0].policy for o in orders}) > 1 and len({tuple(o) for o in orders}) > 1
+    assert block_order(configs, 7, "main", 3) == orders[3] and block_order(configs, 8, "main", 3) != orders[3]

@@ -116,18 +116,42 @@ def predictor_class(method: str) -> type[Predictor]:
     return _REGISTRY[method]
 
 
-def method_config(cfg: Mapping[str, Any] | None, method: str) -> dict[str, Any]:
-    """The method's section of a full config or of its ``predictors`` section (empty if absent)."""
+PER_MODEL = "_per_model"
+
+
+def method_config(cfg: Mapping[str, Any] | None, method: str, model: str | None = None) -> dict[str, Any]:
+    """The method's section of a full config or of its ``predictors`` section (empty if absent), resolved for
+    ``model``: a key ``<k>_per_model: {model: value}`` replaces ``<k>`` for the models it names (the others keep
+    ``<k>``; ``model=None`` keeps ``<k>`` everywhere). The ``*_per_model`` keys themselves are dropped, so a
+    predictor's ``method_cfg`` (and its meta.json, which ``load_predictor`` rebuilds from) holds only the values it
+    was built with. Given a full config, a per-model table naming a model the config lacks is an error (a typo
+    would otherwise silently fall back to ``<k>``)."""
     if cfg is None:
         return {}
     section = cfg.get("predictors", cfg)
-    return dict(section.get(method) or {})
+    raw = dict(section.get(method) or {})
+    out = {k: v for k, v in raw.items() if not k.endswith(PER_MODEL)}
+    known = cfg.get("models") if "predictors" in cfg else None
+    for key, table in raw.items():
+        if not key.endswith(PER_MODEL):
+            continue
+        where = f"predictors.{method}.{key}"
+        if not isinstance(table, Mapping):
+            raise PredictorError(f"invalid {where}: expected a mapping model -> value, got {table!r}")
+        if known is not None and set(table) - set(known):
+            raise PredictorError(f"invalid {where}: unknown model(s) {', '.join(sorted(set(table) - set(known)))} "
+                                 f"(models: {', '.join(known)})")
+        if model is not None and model in table:
+            out[key[: -len(PER_MODEL)]] = table[model]
+    return out
 
 
-def build_predictor(method: str, cfg: Mapping[str, Any] | None, dims: PredictorDims) -> Predictor:
-    """A freshly initialised predictor of ``method`` for ``dims`` (weights from the global torch seed)."""
+def build_predictor(method: str, cfg: Mapping[str, Any] | None, dims: PredictorDims,
+                    model: str | None = None) -> Predictor:
+    """A freshly initialised predictor of ``method`` for ``dims`` (weights from the global torch seed), with the
+    method's per-model settings of ``model`` (see ``method_config``)."""
     cls = predictor_class(method)
-    return cls(dims, method_config(cfg, method))
+    return cls(dims, method_config(cfg, method, model))
 
 
 # --------------------------------------------------------------------------------------------- helpers

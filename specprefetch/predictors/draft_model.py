@@ -6,8 +6,11 @@ Architecture: token embedding (+ fixed sinusoidal position encoding) -> ``num_la
 transformer layers (``d_model``, ``num_heads``, FFN 4·d_model, no dropout) -> LayerNorm -> one linear head
 producing (L−1)·n logits, split per target layer. The embedding is initialised from the frozen model's
 input embeddings when a model directory is given (PCA to ``d_model`` when D > d_model, an orthonormal
-lift otherwise) and trained with the rest; without one it is learned from scratch. Token ids outside
-the vocabulary map to one extra "unknown" row.
+lift otherwise) and trained with the rest; without one it is learned from scratch. With
+``freeze_embedding: true`` the embedding is not trained (``requires_grad`` off, so it is neither optimised nor
+counted as trainable): the draft model then reads a fixed projection of the frozen model's own embedding, and its
+trainable parameters are the transformer and the head only — the paper profile's setting (Table 3's 19–26M cannot
+include a ~150k-row vocabulary embedding). Token ids outside the vocabulary map to one extra "unknown" row.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ class DraftModelPredictor(Predictor):
         self.d_model = d_model
         self.embed = nn.Embedding(dims.vocab_size + 1, d_model)  # last row: unknown ids
         nn.init.normal_(self.embed.weight, std=1.0)  # the scale of the position encoding
+        # read, not setdefault: a config without the key keeps its method_cfg (and meta.json) as before
+        self.freeze_embedding = bool(self.method_cfg.get("freeze_embedding", False))
+        self.embed.weight.requires_grad_(not self.freeze_embedding)
         layer = nn.TransformerEncoderLayer(d_model, heads, dim_feedforward=4 * d_model, dropout=0.0,
                                            activation="gelu", batch_first=True, norm_first=True)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
@@ -81,8 +87,8 @@ class DraftModelPredictor(Predictor):
         proj = project_embeddings(table[:v], self.d_model)
         with torch.no_grad():
             self.embed.weight[:v].copy_(proj)
-        log.info("draft_model: embedding initialised from the model's input embeddings (%d x %d -> %d)",
-                 table.shape[0], table.shape[1], self.d_model)
+        log.info("draft_model: embedding initialised from the model's input embeddings (%d x %d -> %d, %s)",
+                 table.shape[0], table.shape[1], self.d_model, "frozen" if self.freeze_embedding else "trained")
 
     # -- prediction
     def forward(self, batch: Batch) -> list[Tensor]:

@@ -315,9 +315,12 @@ def train_predictor(
         table = find_input_embeddings(model_dir) if model_dir is not None else None
         dims = dataclasses.replace(dims, vocab_size=resolve_vocab(cfg, model_dir, max_id, table))
 
-    predictor = build_predictor(method, cfg, dims)
+    predictor = build_predictor(method, cfg, dims, model=model_name)
     if table is not None:
         predictor.init_embeddings(table)  # type: ignore[attr-defined]
+    elif getattr(predictor, "freeze_embedding", False):
+        log.warning("draft_model: freeze_embedding is set but no input embedding was found in %s: the frozen "
+                    "embedding stays random", model_dir if model_dir is not None else "(no --model-dir)")
 
     run: dict[str, Any] = {"source": "online" if online else "traces"}
     if learned:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,10 +131,22 @@ def recorded_routing(res: RunResult) -> list[dict[str, Any]]:
              "scores": ev.scores.float() if ev.scores is not None else None} for ev in res.events]
 
 
+def block_order(configs: list[RunConfig], seed: int, experiment: str, repeat: int) -> list[RunConfig]:
+    """The configurations of one (experiment, repeat) block in a random order, seeded by (seed, experiment,
+    repeat): reproducible, different in every block, and the same in a rerun."""
+    order = list(configs)
+    random.Random(f"specprefetch/bench/{seed}/{experiment}/{repeat}").shuffle(order)
+    return order
+
+
 def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platform: str, out_csv: str | Path,
                   experiments: Iterable[str] | None = None, routing_out: str | Path | None = None,
-                  config_fragment: Any = None) -> list[dict[str, Any]]:
-    """Run every experiment and write ``out_csv`` (one row per run); returns the rows."""
+                  config_fragment: Any = None, seed: int = 0) -> list[dict[str, Any]]:
+    """Run every experiment and write ``out_csv`` (one row per run); returns the rows.
+
+    Within each (experiment, repeat) block the configurations run in a seeded random order (``block_order``), so
+    no policy is always first (or always right after the warm-up); column ``run_order`` is a run's position.
+    """
     settings = harness.settings
     m_max = int(profile["m_max"]) if settings["m_max"] == "auto" else int(settings["m_max"])
     plan = plan_experiments(settings, m_max, experiments or settings["experiments"])
@@ -153,7 +166,7 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     done = 0
     for exp, configs in plan.items():
         for r in range(repeats):
-            for cfg in configs:
+            for pos, cfg in enumerate(block_order(configs, seed, exp, r)):
                 src = reuse.get((exp, cfg.storage))
                 if src is not None:
                     rows.append({**measured[(src, r, cfg.signature)], "experiment": exp})
@@ -167,8 +180,8 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
                 if not match:
                     raise SpecPrefetchError(f"{model}: run {cfg.key} repeat {r} decoded different tokens than the "
                                             "first run; the offloaded runtime must not change outputs")
-                rows.append(run_row(res, cfg, r, platform, model, settings["charge"], harness.store.record_bytes,
-                                    match))
+                rows.append({**run_row(res, cfg, r, platform, model, settings["charge"], harness.store.record_bytes,
+                                       match), "run_order": pos})
                 measured[(exp, r, cfg.signature)] = rows[-1]
                 if r == 0:  # routing and priorities are the same in every repeat (same tokens): record one
                     routing[cfg.key] = {"row": rows[-1], "events": recorded_routing(res), "repeats": []}

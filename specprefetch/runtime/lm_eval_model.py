@@ -6,13 +6,17 @@ so generation, log-likelihoods and batching are exactly lm-eval's. :func:`evalua
 local tasks (``results/workloads/{w}/lm_eval/*.yaml``) with the plain model and with every policy, and records
 whether scores and every generated output are identical.
 
-From the command line (after ``import specprefetch.runtime.lm_eval_model`` registers it, e.g. via
-``python -m lm_eval --include_path ...`` in a script)::
+From the command line: lm-eval loads no plugins, so a bare ``lm_eval --model specprefetch-offloaded`` fails with
+"no model for this name found"; ``specprefetch lm-eval`` imports this module (which registers the model) and runs
+lm-eval's own CLI with the arguments unchanged (lm-eval's ``--device`` defaults to CUDA: give ``--device cpu``
+on a CPU machine)::
 
-    lm_eval --model specprefetch-offloaded \\
+    specprefetch lm-eval --model specprefetch-offloaded \\
         --model_args config=config/config.yaml,model=tiny-deepseek-vl2,model_dir=results/models/tiny-deepseek-vl2,\\
-store=results/device/store/tiny-deepseek-vl2,policy=specprefetch,m_max=8,\\
-predictor=results/predictors/tiny-deepseek-vl2/specprefetch
+store=results/device/store/tiny-deepseek-vl2,policy=specprefetch,m_max=6,\\
+predictor=results/predictors/tiny-deepseek-vl2/specprefetch \\
+        --device cpu --tasks specprefetch_gsm8k --include_path results/workloads/gsm8k/lm_eval \\
+        --limit 8 --output_path results/lm_eval
 """
 
 from __future__ import annotations

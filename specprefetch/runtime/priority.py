@@ -12,10 +12,11 @@ previous token used at layer ``l+1``, ranked by their routing weight), which nee
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -50,6 +51,10 @@ class PredictorPriority(PriorityProvider):
     The per-layer weights are extracted once (contiguous, float32) so a prediction is two (SpecPrefetch) or one
     (FATE) small matmuls. For a single token the softmax is skipped: it is monotonic, so the ranking, the only thing
     the prefetcher uses, is the logits' (for several tokens the priorities are the summed softmax, paper §3.2).
+
+    A decoding step on the CPU (one token) is the hot path: there the matmuls run in numpy on transposed copies of
+    the weights, which skips torch's per-op dispatch (a few µs an op, against a layer's budget of ~10 µs for the
+    whole control path); prefill, CUDA and several tokens use torch.
     """
 
     def __init__(self, predictor: Any, device: torch.device | str = "cpu") -> None:
@@ -59,6 +64,9 @@ class PredictorPriority(PriorityProvider):
         self.n_pairs = int(predictor.dims.n_pairs)
         self.sigmoid = getattr(predictor.dims, "scoring", "softmax") == "sigmoid"
         custom = getattr(predictor, "layer_token_scores", None)
+        self._np_chain: list[tuple[np.ndarray, ...]] | None = None
+        self._np_bias: list[np.ndarray | None] = [None] * self.n_pairs
+        on_cpu = torch.device(device).type == "cpu"
         with torch.no_grad():
             if callable(custom):
                 self._token_scores = custom
@@ -67,11 +75,16 @@ class PredictorPriority(PriorityProvider):
                 self._a = [predictor.A[l].detach().float().contiguous() for l in range(self.n_pairs)]
                 self._b = [predictor.B[l].detach().float().contiguous() for l in range(self.n_pairs)]
                 self._logits = self._specprefetch
+                if on_cpu:
+                    self._np_chain = [(_np_t(a), _np_t(b)) for a, b in zip(self._a, self._b, strict=True)]
             elif self.name == "fate":
                 self._w = [predictor.weight[l].detach().float().contiguous() for l in range(self.n_pairs)]
                 self._bias = [predictor.bias[l].detach().float().contiguous() for l in range(self.n_pairs)]
                 self._cb = [predictor.correction_bias[l].detach().float().contiguous() for l in range(self.n_pairs)]
                 self._logits = self._fate
+                if on_cpu:
+                    self._np_chain = [(_np_t(w),) for w in self._w]
+                    self._np_bias = [b.numpy() for b in self._bias]
             else:
                 raise PriorityError(f"predictor method {self.name!r} cannot be evaluated layer by layer at run "
                                     "time (it needs a layer_token_scores(l, x) method)")
@@ -82,11 +95,16 @@ class PredictorPriority(PriorityProvider):
     def _fate(self, layer: int, x: Tensor) -> Tensor:
         return F.linear(x.float(), self._w[layer], self._bias[layer])
 
-    @torch.no_grad()
     def scores(self, layer: int, x: Tensor) -> Tensor | None:
         if layer >= self.n_pairs:
             return None
-        x = x.reshape(-1, x.shape[-1])
+        if (self._np_chain is not None and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32
+                and x.device.type == "cpu" and not self.sigmoid):
+            return torch.from_numpy(self._one_token_logits(layer, x))
+        return self._torch_scores(layer, x.reshape(-1, x.shape[-1]))
+
+    @torch.no_grad()
+    def _torch_scores(self, layer: int, x: Tensor) -> Tensor:
         if self._logits is None:
             s = self._token_scores(layer, x).sum(dim=0)
         else:
@@ -98,6 +116,20 @@ class PredictorPriority(PriorityProvider):
             else:
                 s = F.softmax(z, dim=-1).sum(dim=0)
         return s if s.device.type == "cpu" else s.cpu()
+
+
+    def _one_token_logits(self, layer: int, x: Tensor) -> np.ndarray:
+        """The logits of one token on the CPU (the ranking of a decoding step), in numpy."""
+        v = (x.detach() if x.requires_grad else x).numpy()[0]
+        for w in self._np_chain[layer]:
+            v = v @ w
+        bias = self._np_bias[layer]
+        return v + bias if bias is not None else v
+
+
+def _np_t(w: Tensor) -> np.ndarray:
+    """``w.T`` as a contiguous numpy array (CPU weights), for ``x @ w.T`` without torch's dispatch."""
+    return np.ascontiguousarray(w.t().numpy())
 
 
 class PreviousTokenPriority(PriorityProvider):
@@ -128,17 +160,23 @@ class PreviousTokenPriority(PriorityProvider):
         self.last[layer] = s
 
 
-def select_prefetch(scores: Tensor, exclude: set[int], m_max: int, empty_when_zero: bool = False) -> list[int]:
+def select_prefetch(scores: Tensor | None, exclude: Collection[int], m_max: int,
+                    empty_when_zero: bool = False) -> list[int]:
     """P^{l+1} = Top_{M_max} of s over experts not available nor in flight, in descending priority.
 
-    Ties go to the lower expert id (a stable order), so the runtime and the simulator agree. Plain Python on the
-    n priorities: cheaper than a chain of tiny tensor ops on the critical path.
+    Ties go to the lower expert id (a stable order), so the runtime and the simulator agree. One numpy stable
+    argsort of the n priorities, then a walk that stops after ``m_max`` picks: a few µs, no tensor ops.
     """
     if m_max <= 0 or scores is None:
         return []
-    vals = scores.tolist()
+    if isinstance(scores, Tensor):
+        cpu = scores.device.type == "cpu" and not scores.requires_grad
+        vals = scores.numpy() if cpu else scores.detach().cpu().numpy()
+    else:
+        vals = np.asarray(scores)
+    order = np.argsort(-vals, kind="stable")
     out: list[int] = []
-    for e in sorted(range(len(vals)), key=vals.__getitem__, reverse=True):
+    for e in order.tolist():
         if empty_when_zero and vals[e] <= 0.0:
             break
         if e in exclude:

@@ -14,6 +14,8 @@ and the accuracy check through lm-eval.
         --validation V... --out-dir results/device
     specprefetch evaluate-offloaded --config C --model M --model-dir D --store S --predictor ... \\
         --tasks-dir results/workloads --out results/device/accuracy/M.csv
+    specprefetch lm-eval --model specprefetch-offloaded --model_args config=C,model=M,model_dir=D,store=S \\
+        --tasks T --include_path results/workloads/W/lm_eval [any other lm-eval argument]
 """
 
 from __future__ import annotations
@@ -66,15 +68,15 @@ def _setup(args: argparse.Namespace, need_prompts: bool = True) -> dict[str, Any
     from specprefetch.runtime.priority import provider_factories
 
     providers = provider_factories(parse_predictor_args(args.predictor), bundle.routing, accel, args.model)
-    return {"cfg": cfg, "s": settings, "accel": accel, "platform": platform_label(settings, accel), "bundle": bundle,
-            "store": store, "prompts": prompts, "providers": providers}
+    return {"cfg": cfg, "settings": settings, "accel": accel, "platform": platform_label(settings, accel),
+            "bundle": bundle, "store": store, "prompts": prompts, "providers": providers}
 
 
 def _harness(env: dict[str, Any], scale: float = 1.0) -> Any:
     from specprefetch.runtime.session import Harness
 
     b = env["bundle"]
-    return Harness(b.model, b.routing, env["store"], env["s"], env["prompts"], env["providers"], env["accel"],
+    return Harness(b.model, b.routing, env["store"], env["settings"], env["prompts"], env["providers"], env["accel"],
                    emulation_scale=scale, tokenizer=b.tokenizer)
 
 
@@ -125,10 +127,10 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     harness = _harness(env, scale=float(profile.get("emulation_scale", 1.0)))
     from specprefetch.runtime.settings import experiments_for
 
-    experiments = args.experiments.split(",") if args.experiments else experiments_for(env["s"], args.model)
+    experiments = args.experiments.split(",") if args.experiments else experiments_for(env["settings"], args.model)
     try:
         bench_runtime(harness, profile, args.model, env["platform"], args.out, experiments, args.routing_out,
-                      _fragment(env["cfg"], args.model))
+                      _fragment(env["cfg"], args.model), seed=int(env["cfg"]["seed"]))
     finally:
         harness.close()
 
@@ -220,8 +222,28 @@ def _cmd_evaluate_offloaded(args: argparse.Namespace) -> None:
     from specprefetch.runtime.lm_eval_model import evaluate_offloaded
 
     env = _setup(args, need_prompts=False)
-    evaluate_offloaded(env["cfg"], env["s"], args.model, env["bundle"], env["store"], env["providers"],
+    evaluate_offloaded(env["cfg"], env["settings"], args.model, env["bundle"], env["store"], env["providers"],
                        Path(args.tasks_dir), args.out, device=env["accel"])
+
+
+def _cmd_lm_eval(args: argparse.Namespace) -> None:
+    """lm-eval's command line (``lm-eval [run|ls|validate] ...``) with ``specprefetch-offloaded`` registered.
+
+    lm-eval discovers no plugins: a model exists for its CLI only once the module that registers it is imported,
+    so a bare ``lm_eval --model specprefetch-offloaded`` fails with "no model for this name found".
+    """
+    import sys
+
+    from lm_eval.__main__ import cli_evaluate  # lm-eval's console-script entry point; it reads sys.argv
+
+    import specprefetch.runtime.lm_eval_model  # noqa: F401  (registers "specprefetch-offloaded")
+
+    argv = sys.argv
+    sys.argv = ["lm-eval", *args.lm_eval_args]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = argv
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -281,3 +303,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tasks-dir", required=True, type=Path, help="results/workloads (each with lm_eval/)")
     p.add_argument("--out", required=True, type=Path)
     p.set_defaults(func=_cmd_evaluate_offloaded)
+
+    # Everything after ``lm-eval`` is lm-eval's, ``--help`` included: no option prefix of our own ("\0" cannot
+    # occur in a command-line argument), so argparse hands every word to the REMAINDER positional unread.
+    p = sub.add_parser("lm-eval", prefix_chars="\0", add_help=False,
+                       help="lm-eval's own CLI with the specprefetch-offloaded model registered "
+                            "(arguments are lm-eval's; `specprefetch lm-eval --help` shows them)")
+    p.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval's arguments, passed on unchanged")
+    p.set_defaults(func=_cmd_lm_eval)
