@@ -46,8 +46,14 @@ SIM_PLATFORMS = ("snapdragon_8_elite",)  # the simulator's platform profiles (ru
 LATENCY_MODES = ("resident", "on_demand")
 LATENCY_PARTS = ("attention", "router", "expert_load", "moe_compute", "other")
 
-# Format strings of artefacts that have no package of their own to hold them.
-ROUTING_FORMAT = "specprefetch-routing-record/2"  # bench-runtime's per-run routing (safetensors tensor tree)
+# The format string of every artefact (its manifest's or document's ``format``); a reader accepts only its own.
+WORKLOAD_FORMAT = "specprefetch-workload/1"          # results/workloads/<w>/manifest.json, results/corpus/
+STANDIN_FORMAT = "specprefetch-standin/2"            # results/models/<m>/specprefetch_model.json (weights' sha256)
+TRACE_FORMAT = "specprefetch-trace/1"                # results/traces/<m>/<w>/manifest.json (and trace shards)
+PREDICTOR_FORMAT = "specprefetch-predictor/1"        # results/predictors/<m>/<method>/meta.json
+STORE_FORMAT = "specprefetch-expert-store/1"         # results/device/store/<m>/manifest.json
+ROUTING_FORMAT = "specprefetch-routing-record/2"     # results/device/measured/<m>.routing.safetensors (tensor tree)
+TABLE_FORMAT = "specprefetch-table/1"                # paper_tables/<table>.json, figures/<figure>.json
 
 
 class ContractError(SpecPrefetchError):

@@ -17,13 +17,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specprefetch.contracts import read_doc, read_jsonl, reraise_as
+from specprefetch.contracts import WORKLOAD_FORMAT, read_doc, read_jsonl, reraise_as
 from specprefetch.data.draft import Draft, seeded_order
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance, sha256_file
 
 log = logging.getLogger(__name__)
 
-FORMAT = "specprefetch-workload/1"
+FORMAT = WORKLOAD_FORMAT
 SAMPLES_FILE = "samples.jsonl"
 MANIFEST_FILE = "manifest.json"
 IMAGES_DIR = "images"

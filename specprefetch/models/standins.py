@@ -34,13 +34,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specprefetch.config import ConfigError
-from specprefetch.contracts import ContractError, member, read_doc, reraise_as
+from specprefetch.contracts import STANDIN_FORMAT, ContractError, member, read_doc, reraise_as
 from specprefetch.io import SpecPrefetchError, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
 # /2: ``weights`` records {relative path: {"sha256", "bytes"}} of every weight file; /1 recorded none.
-STANDIN_FORMAT = "specprefetch-standin/2"
 META_FILE = "specprefetch_model.json"
 PROJECTOR_FILE = "projector.safetensors"
 STANDIN_ARCHS = ("qwen3_vl_moe", "deepseek_vl2_standin")

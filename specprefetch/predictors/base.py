@@ -28,10 +28,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from specprefetch.contracts import load_safetensors, member, read_doc, require
+from specprefetch.contracts import PREDICTOR_FORMAT, load_safetensors, member, read_doc, require
 from specprefetch.io import SpecPrefetchError, atomic_path, sha256_file, write_json_atomic
 
-PREDICTOR_FORMAT = "specprefetch-predictor/1"
 WEIGHTS_FILE = "predictor.safetensors"
 META_FILE = "meta.json"
 METHODS = ("specprefetch", "fate", "single_mlp", "promoe", "draft_model", "previous_token", "frequency", "oracle")

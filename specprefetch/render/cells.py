@@ -14,10 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specprefetch.contracts import read_doc, require
+from specprefetch.contracts import TABLE_FORMAT, read_doc, require
 from specprefetch.io import SpecPrefetchError, write_json_atomic
 
-TABLE_FORMAT = "specprefetch-table/1"
 QUANTITIES = ("recall", "params", "throughput", "gain", "ready_recall", "latency_ms", "window_ms", "demand_ms",
               "exceed_pct", "share_pct", "m_max")
 

@@ -169,11 +169,10 @@ def select_prefetch(scores: Tensor | None, exclude: Collection[int], m_max: int,
     """
     if m_max <= 0 or scores is None:
         return []
-    if isinstance(scores, Tensor):
-        cpu = scores.device.type == "cpu" and not scores.requires_grad
-        vals = scores.numpy() if cpu else scores.detach().cpu().numpy()
-    else:
-        vals = np.asarray(scores)
+    try:
+        vals = scores.numpy()  # a CPU tensor: a view, no copy (the hot path)
+    except (AttributeError, RuntimeError, TypeError):  # an array, a CUDA tensor, one that requires grad
+        vals = scores.detach().cpu().numpy() if isinstance(scores, Tensor) else np.asarray(scores)
     order = np.argsort(-vals, kind="stable")
     out: list[int] = []
     for e in order.tolist():

@@ -29,12 +29,11 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from specprefetch.contracts import member, read_doc, require
+from specprefetch.contracts import STORE_FORMAT, member, read_doc, require
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance, write_json_atomic
 
 log = logging.getLogger(__name__)
 
-STORE_FORMAT = "specprefetch-expert-store/1"
 MANIFEST = "manifest.json"
 ALIGNMENT = 4096
 SUB_ALIGNMENT = 64  # down_proj starts on a cache-line boundary inside a record

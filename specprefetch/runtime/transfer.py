@@ -22,7 +22,9 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -132,22 +134,10 @@ class TransferEngine:
     def execute(self, tr: Transfer) -> None:
         """Perform a claimed transfer on the calling thread (compute stream on CUDA), retrying failed reads."""
         slot = self.cache.slot(tr.key)
-        error: str | None = None
         while True:
-            try:
-                self._copy_inline(tr, slot)
-                error = None
-            except OSError as exc:
-                error = str(exc)
+            error = _read_error(self._copy_inline, tr, slot)
             with self.cond:
-                tr.attempts += 1
-                if error is None:
-                    self._finish(tr, "done", None)
-                    return
-                self.io_errors += 1
-                if tr.attempts > self.retries:
-                    log.warning("expert %s: transfer failed after %d attempts: %s", tr.key, tr.attempts, error)
-                    self._finish(tr, "failed", error)
+                if self._settle(tr, error):
                     return
 
     def wait_any(self, timeout: float = 5.0) -> bool:
@@ -235,25 +225,27 @@ class TransferEngine:
             if tr is None:
                 return
             slot = self.cache.slot(tr.key)
-            error: str | None = None
-            try:
-                self._copy(tr, slot, staging, stream)
-            except OSError as exc:
-                error = str(exc)
+            error = _read_error(self._copy, tr, slot, staging, stream)
             with self.cond:
-                tr.attempts += 1
-                if error is None:
-                    self._finish(tr, "done", None)
-                    continue
-                self.io_errors += 1
-                if tr.attempts <= self.retries and not self._stop:
+                if not self._settle(tr, error):  # a retry: back in the queue for any worker
                     log.debug("retrying expert %s after I/O error: %s", tr.key, error)
                     tr.state = "pending"
                     self.pending.append(tr)
                     self.work.notify()
-                else:
-                    log.warning("expert %s: transfer failed after %d attempts: %s", tr.key, tr.attempts, error)
-                    self._finish(tr, "failed", error)
+
+    def _settle(self, tr: Transfer, error: str | None) -> bool:
+        """Under ``self.cond``: count one attempt of ``tr``; finish it when it succeeded or has no retry left (or the
+        engine is stopping). True when finished, False when it should be tried again."""
+        tr.attempts += 1
+        if error is None:
+            self._finish(tr, "done", None)
+            return True
+        self.io_errors += 1
+        if tr.attempts > self.retries or self._stop:
+            log.warning("expert %s: transfer failed after %d attempts: %s", tr.key, tr.attempts, error)
+            self._finish(tr, "failed", error)
+            return True
+        return False
 
     def _copy_inline(self, tr: Transfer, slot: int) -> None:
         """The compute thread's own load: on CUDA a synchronous copy on the current (compute) stream."""
@@ -286,3 +278,12 @@ class TransferEngine:
                 stream.wait_event(ev)
             dest.copy_(src, non_blocking=True)
         stream.synchronize()
+
+
+def _read_error(copy: Callable[..., None], *args: Any) -> str | None:
+    """Run one read-and-copy attempt; the OS error it raised, as text, or None when it succeeded."""
+    try:
+        copy(*args)
+    except OSError as exc:
+        return str(exc)
+    return None

@@ -32,12 +32,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file as st_save_file
 
-from specprefetch.contracts import load_safetensors, member, read_doc, require
+from specprefetch.contracts import TRACE_FORMAT, load_safetensors, member, read_doc, require
 from specprefetch.io import SpecPrefetchError, atomic_path, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
-FORMAT = "specprefetch-trace/1"
+FORMAT = TRACE_FORMAT
 MANIFEST = "manifest.json"
 ROUTERS = "routers.safetensors"
 PER_LAYER_KEYS = ("x", "logits", "topk")
