@@ -592,11 +592,15 @@ def test_missing_or_foreign_window_profile_is_a_clear_error(tmp_path: Path) -> N
 
 
 def test_simulator_platforms_are_the_config_vocabulary() -> None:
-    """contracts.SIM_PLATFORMS (what a config may name) is exactly the simulator's platform table."""
-    from specprefetch.contracts import SIM_PLATFORMS
+    """The platforms a config may name (the schema's enum) are exactly the simulator's platform table."""
+    import yaml
+
+    from specprefetch.config import REPO_ROOT, section_defaults
     from specprefetch.runtime.platforms import PLATFORMS
 
-    assert tuple(PLATFORMS) == SIM_PLATFORMS
+    schema = yaml.safe_load((REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    enum = schema["$defs"]["device"]["properties"]["simulator"]["properties"]["platforms"]["items"]["enum"]
+    assert enum == list(PLATFORMS) == section_defaults("device")["simulator"]["platforms"]
 
 
 def test_benchmark_blocks_run_in_a_seeded_random_order() -> None:

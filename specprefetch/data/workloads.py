@@ -23,7 +23,6 @@ from specprefetch.io import SpecPrefetchError, atomic_path, provenance, sha256_f
 
 log = logging.getLogger(__name__)
 
-FORMAT = WORKLOAD_FORMAT
 SAMPLES_FILE = "samples.jsonl"
 MANIFEST_FILE = "manifest.json"
 IMAGES_DIR = "images"
@@ -136,7 +135,7 @@ def read_manifest(root: Path) -> dict[str, Any]:
     if not path.is_file():
         raise WorkloadError(f"{path}: missing; {root} is not a complete workload directory")
     with reraise_as(WorkloadError):
-        return read_doc(path, FORMAT, "workload manifest")
+        return read_doc(path, WORKLOAD_FORMAT, "workload manifest")
 
 
 def read_workload(root: Path, verify: bool = True) -> list[Sample]:
@@ -187,7 +186,7 @@ def write_workload(out_dir: Path, samples: Sequence[Sample], images: Mapping[str
 
             task_yaml = write_lm_eval_task(tmp, lm_eval_task, data_dir=out_dir.resolve()).relative_to(tmp)
         manifest = {
-            "format": FORMAT,
+            "format": WORKLOAD_FORMAT,
             "name": name,
             "n_samples": len(samples),
             "n_images": len(images),
@@ -346,6 +345,6 @@ def iter_image_hashes(root: Path, samples: Sequence[Sample]) -> dict[str, str]:
 
 
 __all__ = [
-    "Draft", "FORMAT", "Sample", "WorkloadError", "assemble", "iter_image_hashes", "prepare_workload",
+    "Draft", "WORKLOAD_FORMAT", "Sample", "WorkloadError", "assemble", "iter_image_hashes", "prepare_workload",
     "read_manifest", "read_samples_jsonl", "read_workload", "seeded_order", "write_workload",
 ]

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specprefetch.config import ConfigError
-from specprefetch.contracts import STANDIN_FORMAT, ContractError, member, read_doc, reraise_as
+from specprefetch.contracts import STANDIN_FORMAT, ContractError, member, read_doc, require, reraise_as
 from specprefetch.io import SpecPrefetchError, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -546,11 +546,9 @@ def check_weights_match_config(model_dir: Path, config_path: Path | None = None)
     model_dir = Path(model_dir)
     config_path = config_path or model_dir / "config.json"
     for index in sorted(model_dir.glob("*.safetensors.index.json")):
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
-            shards = sorted(set(weight_map.values()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-            raise WeightsError(f"{index}: corrupt safetensors index (not a JSON object with a weight_map)") from None
+        with reraise_as(WeightsError):
+            weight_map = require(read_doc(index, None, "safetensors index"), "weight_map", dict, str(index))
+        shards = sorted(set(weight_map.values()))
         for shard in shards:
             if not is_plain_relpath(shard, model_dir):
                 raise WeightsError(f"{index}: shard name {shard!r} is not a plain relative path inside {model_dir}")

@@ -37,7 +37,6 @@ from specprefetch.io import SpecPrefetchError, atomic_path, sha256_file, write_j
 
 log = logging.getLogger(__name__)
 
-FORMAT = TRACE_FORMAT
 MANIFEST = "manifest.json"
 ROUTERS = "routers.safetensors"
 PER_LAYER_KEYS = ("x", "logits", "topk")
@@ -236,7 +235,8 @@ class TraceWriter:
         self._buffer.clear()
         name = shard_name(len(self._shards))
         path = self._tmp / name
-        st_save_file(tensors, str(path), metadata={"format": FORMAT})  # one key: safetensors orders metadata by hash
+        # one key: safetensors orders metadata by hash
+        st_save_file(tensors, str(path), metadata={"format": TRACE_FORMAT})
         n = int(tensors["token_ids"].shape[0])
         self._shards.append({"file": name, "n_tokens": n, "n_samples": n_samples,
                              "bytes": path.stat().st_size, "sha256": sha256_file(path)})
@@ -255,9 +255,9 @@ class TraceWriter:
                 raise SpecPrefetchError(f"trace {self.out_dir}: router gate.{i}.weight has shape {got}, "
                                         f"expected {(self.n_experts, self.hidden_size)}")
         routers_path = self._tmp / ROUTERS
-        st_save_file(self.routers, str(routers_path), metadata={"format": FORMAT})
+        st_save_file(self.routers, str(routers_path), metadata={"format": TRACE_FORMAT})
         manifest = {
-            "format": FORMAT,
+            "format": TRACE_FORMAT,
             **{k: v for k, v in self.meta.items() if k != "provenance"},
             "moe_layers": [int(v) for v in self.meta["moe_layers"]],
             "n_moe_layers": self.n_layers,
@@ -300,8 +300,8 @@ class TraceReader:
 
     def _check_manifest(self, path: Path) -> None:
         m = self.manifest
-        if m.get("format") != FORMAT:
-            raise TraceError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
+        if m.get("format") != TRACE_FORMAT:
+            raise TraceError(f"{path}: format {m.get('format')!r}, expected {TRACE_FORMAT!r}")
         need = (*REQUIRED_META, "n_moe_layers", "n_tokens", "n_samples", "dtypes", "shards")
         missing = [k for k in need if k not in m]
         if missing:
