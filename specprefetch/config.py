@@ -61,6 +61,13 @@ def device_settings(cfg: dict[str, Any]) -> dict[str, Any]:
             if e not in EXPERIMENTS:
                 raise ConfigError(f"invalid config key 'device.model_experiments.{m}': {e!r} "
                                   f"({', '.join(EXPERIMENTS)})")
+    for m, sc in d["paper_scale"].items():
+        if m not in cfg["models"]:
+            raise ConfigError(f"invalid config key 'device.paper_scale.{m}': {m!r} is not a model of the profile")
+        mc = cfg["models"][m]
+        if mc.get("hidden_size") and int(mc["hidden_size"]) > sc["hidden_size"]:
+            raise ConfigError(f"invalid config key 'device.paper_scale.{m}.hidden_size': {sc['hidden_size']} is "
+                              f"narrower than the model's hidden_size {mc['hidden_size']}")
     sim = d["simulator"]
     for w in sim["workloads"] or []:
         if w not in cfg["workloads"]:

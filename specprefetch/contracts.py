@@ -50,7 +50,7 @@ WORKLOAD_FORMAT = "specprefetch-workload/1"          # results/workloads/<w>/man
 STANDIN_FORMAT = "specprefetch-standin/2"            # results/models/<m>/specprefetch_model.json (weights' sha256)
 TRACE_FORMAT = "specprefetch-trace/1"                # results/traces/<m>/<w>/manifest.json (and trace shards)
 PREDICTOR_FORMAT = "specprefetch-predictor/1"        # results/predictors/<m>/<method>/meta.json
-STORE_FORMAT = "specprefetch-expert-store/1"         # results/device/store/<m>/manifest.json
+STORE_FORMAT = "specprefetch-expert-store/2"         # results/device/store/<m>/manifest.json
 ROUTING_FORMAT = "specprefetch-routing-record/2"     # results/device/measured/<m>.routing.safetensors (tensor tree)
 TABLE_FORMAT = "specprefetch-table/1"                # paper_tables/<table>.json, figures/<figure>.json
 
@@ -299,7 +299,8 @@ RUN_COLUMNS = [
     "platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat", "tokens_per_s",
     "ready_recall", "n_tokens", "hits", "misses", "prefetched", "wasted", "stall_ms", "source",
     "inflight", "cancelled", "demand_loads", "io_errors", "peak_cache_experts", "capacity_experts",
-    "peak_cache_bytes", "capacity_bytes", "decode_s", "charge", "tokens_match", "measured_in", "run_order",
+    "peak_cache_bytes", "capacity_bytes", "decode_s", "record_bytes", "expert_format", "tokens_match",
+    "tokens_sha256", "bound_tokens_per_s", "measured_in", "run_order",
 ]
 RUN_KEY_COLUMNS = 17  # the first 17 (up to ``source``) every runs CSV must have, measured, simulated or merged
 

@@ -123,6 +123,11 @@ class Pipeline:
             frag["workload"] = self.cfg["workloads"][workload]
         return config_hash(frag)
 
+    def store_hash(self, model: str) -> str:
+        """What a model's expert store depends on: the model, its paper-scale widening and the seed."""
+        return config_hash({"model": self.cfg["models"][model], "seed": self.cfg.get("seed"),
+                            "paper_scale": self.cfg["device"]["paper_scale"].get(model)})
+
     def order_hash(self) -> str:
         """Hash of the order of models and workloads (config_hash ignores mapping order; the tables do not)."""
         return config_hash([list(self.cfg["models"]), list(self.cfg["workloads"])])[:12]

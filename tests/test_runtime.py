@@ -7,6 +7,7 @@ first layer dense, shared experts) built here, so the tests need no pipeline out
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,7 @@ def run_policy(s: dict[str, Any], policy: str, storage: str = "ram", m_max: int 
                compute_opt: bool = True, faults: FaultInjector | None = None, sync: bool = False,
                io_workers: int = 2, record: bool = False) -> tuple[torch.Tensor, OffloadedRuntime]:
     store = s["store"]
-    prof = make_profile(storage, _device(charge="real"), store.layout.payload_bytes)
+    prof = make_profile(storage, _device(), store.layout.payload_bytes)
     reader = ExpertReader(store, prof, faults=faults, verify=True)
     cap = capacity or 2 * s["spec"].top_k + m_max
     opts = RuntimeOptions(policy=policy, m_max=m_max, capacity=cap, compute_opt=compute_opt, io_workers=io_workers,
@@ -211,13 +212,13 @@ def test_prefill_loads_take_no_emulated_delay(setup: dict[str, Any]) -> None:
     assert any(tokens_of_step[tr.step] > 1 for tr in log) and any(tokens_of_step[tr.step] == 1 for tr in log)
     assert all(tr.charged == (tokens_of_step[tr.step] == 1) for tr in log)
     store = setup["store"]
-    reader = ExpertReader(store, make_profile("sdcard", _device(charge="real"), store.layout.payload_bytes))
+    reader = ExpertReader(store, make_profile("sdcard", _device(), store.layout.payload_bytes))
     try:
         buf = torch.empty(store.record_bytes, dtype=torch.uint8)
         reader.read(0, 1, buf, charged=False)
-        assert reader.model.free_at == 0.0  # the device model was not reserved
+        assert reader.model.queue == []  # the device model was not reserved
         reader.read(0, 1, buf)
-        assert reader.model.free_at > 0.0
+        assert len(reader.model.queue) == 1
     finally:
         reader.close()
 
@@ -534,23 +535,107 @@ def test_runtime_priorities_match_the_predictor(setup: dict[str, Any]) -> None:
 
 
 def test_bandwidth_model_and_profiles() -> None:
+    """Emulated devices charge the real payload at the datasheet bandwidth; data phases are serialised, latencies
+    overlap; a demand request overtakes the prefetches that have not started their data phase."""
     from specprefetch.runtime.storage import BandwidthModel, StorageError
 
-    p = make_profile("slow_ufs", _device(charge="paper"), 1000)
-    assert p.charged_bytes == pytest.approx(1.94e6)
-    one = 0.30e-3 + 1.94e6 / 750e6
-    assert p.transfer_s() == pytest.approx(one)
+    p = make_profile("slow_ufs", _device(), 1_000_000)
+    assert p.charged_bytes == 1_000_000
+    data, lat = 1e6 / 850e6, 0.20e-3
+    assert p.transfer_s() == pytest.approx(lat + data)
     bw = BandwidthModel(p)
     first, second = bw.schedule(10.0), bw.schedule(10.0)
-    assert first == pytest.approx(10.0 + one)
-    assert second == pytest.approx(10.0 + 2 * 1.94e6 / 750e6 + 0.30e-3)  # data serialised, latency overlapped
-    scaled = make_profile("nvme", _device(charge="calibrated"), 1000, scale=0.5)
-    assert scaled.transfer_s() == pytest.approx(0.5 * make_profile("nvme", _device(charge="paper"), 1000).transfer_s())
-    assert make_profile("nvme", _device(charge="real"), 4096).charged_bytes == 4096
+    assert first == pytest.approx(10.0 + data + lat)
+    assert second == pytest.approx(10.0 + 2 * data + lat)  # data serialised, latency overlapped
+    bw.reset()
+    a, b = bw.reserve(0.0), bw.reserve(0.0)                  # prefetches: a transferring, b waiting for bandwidth
+    d = bw.reserve(0.5 * data, demand=True)                  # a demand load arrives while a transfers
+    assert a.end == pytest.approx(data)                      # under way: not interrupted
+    assert d.start == pytest.approx(data) and b.start == pytest.approx(2 * data)  # the demand goes first
+    e = bw.reserve(0.6 * data, demand=True)                  # a second demand queues behind the first, before b
+    assert e.start == pytest.approx(2 * data) and b.start == pytest.approx(3 * data)
     with pytest.raises(StorageError, match="device.storage_profiles.ufs"):
         make_profile("ufs", {**_device(), "storage_profiles": {"ufs": {"bandwidth_mbps": 0, "latency_ms": 1}}})
     with pytest.raises(StorageError, match="unknown storage profile"):
         make_profile("floppy", _device())
+
+
+def test_emulated_load_reads_its_bytes_and_is_on_time(setup: dict[str, Any]) -> None:
+    """An emulated load delivers the record (checked against its sha256) and lasts at least its modelled time."""
+    import time
+
+    store = setup["store"]
+    prof = make_profile("sdcard", _device(), store.layout.payload_bytes)
+    reader = ExpertReader(store, prof, verify=True)
+    try:
+        reader.prepare_run()
+        buf = torch.empty(store.record_bytes, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        reader.read(0, 1, buf, demand=True)
+        assert time.perf_counter() - t0 >= prof.transfer_s()
+        assert bytes(buf.numpy()) == next(rec for e, rec in store.read_all(0) if e == 1)
+    finally:
+        reader.close()
+
+
+def test_cold_reads_bypass_the_page_cache_or_fall_back(setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """nvme_cold reads with O_DIRECT into aligned buffers where the file system allows it, else evicts pages
+    around each read with a logged warning; either way the bytes are the record's."""
+    from specprefetch.runtime.storage import aligned_buffer
+
+    store = setup["store"]
+    prof = make_profile("nvme_cold", _device(), store.layout.payload_bytes)
+    reader = ExpertReader(store, prof, verify=True)
+    try:
+        assert reader.cold_read_mode in ("direct", "fadvise")
+        reader.read(0, 2, aligned_buffer(store.record_bytes))
+        reader.read(0, 3, torch.empty(store.record_bytes + 1, dtype=torch.uint8)[1:])  # unaligned: buffered read
+    finally:
+        reader.close()
+    real_open = os.open
+
+    def no_direct(path: Any, flags: int, *a: Any) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with caplog.at_level("WARNING"):
+        reader = ExpertReader(store, prof, verify=True)
+    try:
+        assert reader.cold_read_mode == "fadvise" and "O_DIRECT refused" in caplog.text
+        reader.read(0, 2, aligned_buffer(store.record_bytes))
+    finally:
+        reader.close()
+
+
+def test_prefetches_wait_while_a_demand_load_is_outstanding(setup: dict[str, Any]) -> None:
+    """No prefetch starts while a demand load is queued or running (it yields to the executing layer)."""
+    from specprefetch.runtime.cache import ExpertCache, SlotPool
+    from specprefetch.runtime.transfer import TransferEngine
+
+    store = setup["store"]
+    reader = ExpertReader(store, make_profile("ram", _device(), store.layout.payload_bytes))
+    cache = ExpertCache(4)
+    eng = TransferEngine(reader, cache, SlotPool(4, store.layout, "cpu"), n_workers=2, retries=0)
+    try:
+        with cache.lock:
+            cache.reserve((0, 0))
+            demand = eng.submit((0, 0), "demand", 0)
+            cache.reserve((1, 0))
+            pre = eng.submit((1, 0), "prefetch", 0)
+        import time
+
+        time.sleep(0.05)
+        assert pre.state == "pending"              # held back: the demand load is outstanding
+        assert eng.steal((0, 0)) is demand
+        eng.execute(demand)
+        eng.wait(pre)
+        assert pre.state == "done" and pre.t_start >= demand.t_end
+    finally:
+        eng.shutdown()
+        reader.close()
 
 
 def test_per_model_experiments() -> None:

@@ -23,7 +23,14 @@ QUANTITIES = ("recall", "params", "throughput", "gain", "ready_recall", "latency
 
 @dataclass(frozen=True)
 class Cell:
-    """One number of a table or figure. ``value`` is None where the table prints a dash (not measured)."""
+    """One number of a table or figure. ``value`` is None where the table prints a dash (not measured).
+
+    Device cells (values over repeats) also carry ``std`` (sample std, ddof=1), ``n`` (repeats), ``lo``/``hi`` (the
+    95 % CI of the mean, paired bootstrap over repeats: ``render.data.bootstrap_ci``), ``spread`` ([min, max] over
+    repeats) and ``repeats`` (the per-repeat values, keyed by the repeat number as a string), so the comparison
+    with the paper can settle a claim by its CI and pair two cells repeat by repeat. The four CI fields are left
+    out of the JSON when None (recall and parameter cells), and a cell without them reads as before.
+    """
 
     id: str
     quantity: str
@@ -32,23 +39,50 @@ class Cell:
     std: float | None = None
     n: int | None = None
     text: str = ""
+    lo: float | None = None
+    hi: float | None = None
+    spread: tuple[float, float] | None = None
+    repeats: dict[str, float] | None = None
+
+    @property
+    def has_ci(self) -> bool:
+        return self.lo is not None and self.hi is not None and self.value is not None
+
+    @property
+    def half_width(self) -> float | None:
+        return None if self.lo is None or self.hi is None else (self.hi - self.lo) / 2.0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("value", "std"):
+        for k in ("value", "std", "lo", "hi"):
             if d[k] is not None and not math.isfinite(d[k]):
                 d[k] = None
+        if d["spread"] is not None:
+            d["spread"] = [None if not math.isfinite(v) else v for v in d["spread"]]
+        for k in OPTIONAL_FIELDS:
+            if d[k] is None:
+                del d[k]
         return d
 
     @staticmethod
     def from_json(d: dict[str, Any], where: str) -> Cell:
+        def num(k: str) -> float | None:
+            return None if d.get(k) is None else float(d[k])
+
         try:
-            return Cell(id=str(d["id"]), quantity=str(d["quantity"]),
-                        value=None if d.get("value") is None else float(d["value"]),
-                        keys=dict(d.get("keys") or {}), std=None if d.get("std") is None else float(d["std"]),
-                        n=None if d.get("n") is None else int(d["n"]), text=str(d.get("text", "")))
-        except (KeyError, TypeError, ValueError) as exc:
+            spread = d.get("spread")
+            reps = d.get("repeats")
+            return Cell(id=str(d["id"]), quantity=str(d["quantity"]), value=num("value"),
+                        keys=dict(d.get("keys") or {}), std=num("std"),
+                        n=None if d.get("n") is None else int(d["n"]), text=str(d.get("text", "")),
+                        lo=num("lo"), hi=num("hi"),
+                        spread=None if spread is None else (float(spread[0]), float(spread[1])),
+                        repeats=None if reps is None else {str(k): float(v) for k, v in dict(reps).items()})
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise SpecPrefetchError(f"{where}: malformed cell {d!r}: {exc}") from None
+
+
+OPTIONAL_FIELDS = ("lo", "hi", "spread", "repeats")  # left out of a cell's JSON when None
 
 
 @dataclass
@@ -151,6 +185,13 @@ def bold(text: str, on: bool) -> str:
     if not on:
         return text
     return rf"\textbf{{\boldmath {text}}}" if "$" in text else rf"\textbf{{{text}}}"
+
+
+def pm_ci(mean: float | None, lo: float | None, hi: float | None, decimals: int, sign: bool = False,
+          math_mode: bool = True) -> str:
+    """``mean ± CI half-width`` ((hi - lo) / 2 of the bootstrap CI), printed like ``pm``."""
+    hw = None if lo is None or hi is None else (hi - lo) / 2.0
+    return pm(mean, hw, decimals, sign, math_mode)
 
 
 def pm(mean: float | None, std: float | None, decimals: int, sign: bool = False, math_mode: bool = True) -> str:

@@ -13,7 +13,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -116,7 +116,136 @@ def mean_std(values: Sequence[float] | pd.Series) -> tuple[float, float, int]:
     return float(arr.mean()), std, int(arr.size)
 
 
+# --------------------------------------------------------------------------------------------- confidence intervals
+
+CI_LEVEL = 0.95
+CI_BOOT = 10_000
+CI_SEED = 0
+CI_META = {"method": "percentile bootstrap of the mean, resampling repeats (pairs) with replacement",
+           "level": CI_LEVEL, "n_boot": CI_BOOT, "seed": CI_SEED}  # what a table JSON's lo/hi are
+
+
+class CI(NamedTuple):
+    """A percentile-bootstrap confidence interval of a mean: ``(mean, lo, hi, n)``. With one value the interval is
+    (mean, mean) and not ``decidable``: no claim can be settled by it."""
+
+    mean: float
+    lo: float
+    hi: float
+    n: int
+
+    @property
+    def decidable(self) -> bool:
+        return self.n >= 2
+
+    @property
+    def half_width(self) -> float:
+        return (self.hi - self.lo) / 2.0
+
+
+def bootstrap_ci(values: Sequence[float] | pd.Series | np.ndarray, n_boot: int = CI_BOOT, seed: int = CI_SEED,
+                 level: float = CI_LEVEL) -> CI:
+    """Percentile bootstrap CI of the mean of ``values`` (one per repeat): the repeats are resampled with
+    replacement ``n_boot`` times (numpy ``default_rng(seed)``, so the interval is reproducible) and the interval is
+    the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the resampled means. For paired device gains the
+    values are the per-repeat gains, so resampling them resamples the (config, OFF) pairs. NaNs are an error
+    (drop them first); one value gives ``(mean, mean)``, marked not decidable."""
+    arr = np.asarray(values, dtype=float).ravel()
+    if arr.size == 0:
+        raise ValueError("bootstrap_ci of nothing")
+    if not np.isfinite(arr).all():
+        raise ValueError("bootstrap_ci: non-finite values (drop missing repeats first)")
+    if not 0.0 < level < 1.0 or n_boot < 1:
+        raise ValueError(f"bootstrap_ci: level {level} must be in (0, 1) and n_boot {n_boot} >= 1")
+    mean = float(arr.mean())
+    if arr.size == 1:
+        return CI(mean, mean, mean, 1)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, arr.size, size=(n_boot, arr.size))
+    means = arr[idx].mean(axis=1)
+    lo, hi = np.quantile(means, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    # the resampled means of a constant series are that constant up to rounding; keep lo <= mean <= hi exact
+    return CI(mean, float(min(lo, mean)), float(max(hi, mean)), int(arr.size))
+
+
+@dataclass(frozen=True)
+class RepeatStats:
+    """One device number over its repeats: mean, sample std, the bootstrap CI, the per-repeat spread (min, max)
+    and the per-repeat values by repeat (for paired comparisons of two cells in the comparison with the paper)."""
+
+    mean: float
+    std: float
+    lo: float
+    hi: float
+    n: int
+    spread: tuple[float, float]
+    repeats: dict[int, float] | None
+
+    @property
+    def ci(self) -> CI:
+        return CI(self.mean, self.lo, self.hi, self.n)
+
+    @property
+    def half_width(self) -> float:
+        return (self.hi - self.lo) / 2.0
+
+    def cell_fields(self) -> dict[str, Any]:
+        """The fields of a ``cells.Cell`` (value = mean, std, n, lo, hi, spread, repeats)."""
+        return {"value": self.mean, "std": self.std, "n": self.n, "lo": self.lo, "hi": self.hi,
+                "spread": self.spread,
+                "repeats": None if self.repeats is None else {str(k): v for k, v in self.repeats.items()}}
+
+
+def repeat_stats(values: pd.Series, repeats: pd.Series | None = None) -> RepeatStats:
+    """``RepeatStats`` of one group's rows (one row per repeat; NaN values dropped). ``repeats`` (the rows' repeat
+    numbers) keys the per-repeat values; duplicated repeat numbers leave them out (no pairing possible)."""
+    vals = pd.Series(values, dtype=float)
+    keep = vals.notna()
+    vals = vals[keep]
+    mean, std, _ = mean_std(vals)
+    ci = bootstrap_ci(vals.to_numpy())
+    by_rep = None
+    if repeats is not None:
+        reps = pd.Series(repeats)[keep]
+        if not reps.duplicated().any():
+            by_rep = {int(r): float(v) for r, v in sorted(zip(reps, vals, strict=True))}
+    return RepeatStats(mean, std, ci.lo, ci.hi, ci.n, (float(vals.min()), float(vals.max())), by_rep)
+
+
+def repeats_note(rows: pd.DataFrame) -> str:
+    """ "mean ± 95 % CI half-width, paired bootstrap over R repeats, N decoded tokens per run" from the rows shown
+    (``repeat`` and, when runs.csv has it, ``n_tokens``: one N, or its range when runs decoded different counts)."""
+    n_rep = int(rows["repeat"].nunique())
+    text = f"mean ± {CI_LEVEL * 100:g} % CI half-width, paired bootstrap over {n_rep} repeat{'s' * (n_rep != 1)}"
+    if "n_tokens" in rows.columns:
+        toks = pd.to_numeric(rows["n_tokens"], errors="coerce").dropna()
+        if not toks.empty:
+            lo, hi = int(toks.min()), int(toks.max())
+            text += f", {lo if lo == hi else f'{lo}–{hi}'} decoded tokens per run"
+    return text
+
+
 # --------------------------------------------------------------------------------------------- device summaries
+
+BOUND_COLUMN = "bound_tokens_per_s"  # optional runs.csv column: the run's overlap/roofline throughput bound
+
+
+def bound_values(rows: pd.DataFrame, path: Path | str) -> pd.Series | None:
+    """The optional ``bound_tokens_per_s`` of each row as floats (NaN where empty), or None when runs.csv has no
+    such column or it is empty throughout (older runs.csv files: render as before). A filled value that is not a
+    positive number is an input error naming the column and line (the line is right for the frame as read)."""
+    if BOUND_COLUMN not in rows.columns:
+        return None
+    raw = rows[BOUND_COLUMN]
+    blank = raw.isna() | (raw.astype(str).str.strip() == "")
+    vals = pd.to_numeric(raw.where(~blank), errors="coerce")
+    bad = ~blank & ~(vals > 0)
+    if bad.any():
+        i = rows.index.get_loc(bad[bad].index[0])
+        raise RenderInputError(f"{path}: column {BOUND_COLUMN!r}, line {int(i) + 2}: value {raw[bad].iloc[0]!r} is "
+                               "not a positive number (tok/s)")
+    return None if vals.isna().all() else vals.astype(float)
+
 
 PAIR_KEYS = ("platform", "model", "experiment", "storage", "repeat")
 
@@ -155,7 +284,9 @@ def paired_gains(runs: pd.DataFrame, path: Path | str, baseline: Mapping[str, An
 
 
 def summarize(df: pd.DataFrame, by: Sequence[str], columns: Sequence[str]) -> pd.DataFrame:
-    """Mean, std (ddof=1) and n of ``columns`` per group, as ``<col>_mean``, ``<col>_std``, ``n``."""
+    """Per group: mean, std (ddof=1), the bootstrap CI (``bootstrap_ci``) and the ``RepeatStats`` of ``columns``,
+    as ``<col>_mean``, ``<col>_std``, ``<col>_lo``, ``<col>_hi``, ``<col>_stats`` (None without values), and ``n``
+    (rows of the group)."""
     rows = []
     for key, g in df.groupby(list(by), sort=True, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
@@ -163,9 +294,13 @@ def summarize(df: pd.DataFrame, by: Sequence[str], columns: Sequence[str]) -> pd
         for c in columns:
             vals = g[c].dropna()
             if vals.empty:
-                row[f"{c}_mean"], row[f"{c}_std"] = float("nan"), float("nan")
+                for part in ("mean", "std", "lo", "hi"):
+                    row[f"{c}_{part}"] = float("nan")
+                row[f"{c}_stats"] = None
             else:
-                row[f"{c}_mean"], row[f"{c}_std"], _ = mean_std(vals)
+                st = repeat_stats(g[c], g["repeat"] if "repeat" in g.columns else None)
+                row[f"{c}_mean"], row[f"{c}_std"], row[f"{c}_lo"], row[f"{c}_hi"] = st.mean, st.std, st.lo, st.hi
+                row[f"{c}_stats"] = st
         row["n"] = len(g)
         rows.append(row)
     return pd.DataFrame(rows)

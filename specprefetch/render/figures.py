@@ -26,11 +26,16 @@ from matplotlib.figure import Figure  # noqa: E402
 from specprefetch.io import atomic_path  # noqa: E402
 from specprefetch.render.cells import Cell, TableDoc  # noqa: E402
 from specprefetch.render.data import (  # noqa: E402
+    BOUND_COLUMN,
+    CI_META,
     RenderInputError,
+    RepeatStats,
+    bound_values,
     experiment_rows,
-    mean_std,
     paired_gains,
     read_result_csv,
+    repeat_stats,
+    repeats_note,
     require_inputs,
     require_rows,
     select_device,
@@ -214,8 +219,22 @@ def _one_storage(rows: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any], w
     return rows[rows["storage"] == cold]
 
 
+def _yerr(mean: Any, lo: Any, hi: Any) -> list[Any]:
+    """matplotlib's asymmetric ``yerr`` ([below, above]) from a CI's bounds (the computed bootstrap interval)."""
+    return [mean - lo, hi - mean]
+
+
+def _stat_cell(cid: str, quantity: str, st: RepeatStats, keys: dict[str, Any]) -> Cell:
+    return Cell(id=cid, quantity=quantity, keys=keys, **st.cell_fields())
+
+
+def _ci_note(cfg: Mapping[str, Any], rows: pd.DataFrame) -> str:
+    return _caption_note(cfg, "error bars: 95 % CI of the mean; " + repeats_note(rows).split(", ", 1)[1])
+
+
 def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv") -> FigureResult:
-    """Figure 4: throughput and ReadyRecall of SpecPrefetch vs M_max (mean ± std over repeats), OFF as reference."""
+    """Figure 4: throughput and ReadyRecall of SpecPrefetch vs M_max (mean with its 95 % bootstrap CI over
+    repeats), OFF as reference (its CI as a band)."""
     rows, sel = _device_rows(runs, path, cfg, "sweep")
     rows = _one_storage(rows, path, cfg, "experiment 'sweep'")
     spec = require_rows(rows, path, "Figure 4 (the M_max sweep)", policy="specprefetch")
@@ -234,20 +253,22 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
     cells = []
     with _theme():
         fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(COLUMN_WIDTH_IN, 2.9), sharex=True)
-        ax1.errorbar(summ["m_max"], summ["tokens_per_s_mean"], yerr=summ["tokens_per_s_std"], color=c, marker="o",
-                     label="SpecPrefetch")
+        ax1.errorbar(summ["m_max"], summ["tokens_per_s_mean"], yerr=_yerr(summ["tokens_per_s_mean"],
+                     summ["tokens_per_s_lo"], summ["tokens_per_s_hi"]), color=c, marker="o", capsize=2,
+                     elinewidth=0.8, label="SpecPrefetch")
         ax1.plot([peak], summ.loc[summ["m_max"] == peak, "tokens_per_s_mean"], marker="*", markersize=9, color=c,
                  linestyle="none", label=f"peak ($M_{{\\max}}={peak}$)")
         if not off.empty:
-            om, osd, on = mean_std(off["tokens_per_s"])
-            ax1.axhline(om, color=color("off"), linestyle="--", linewidth=1.0, label="OFF")
-            ax1.axhspan(om - osd, om + osd, color=color("off"), alpha=0.15, linewidth=0)
-            cells.append(Cell(id="OFF/throughput", quantity="throughput", value=om, std=osd, n=on,
-                              keys={"policy": "OFF"}))
+            ost = repeat_stats(off["tokens_per_s"], off["repeat"])
+            ax1.axhline(ost.mean, color=color("off"), linestyle="--", linewidth=1.0, label="OFF")
+            ax1.axhspan(ost.lo, ost.hi, color=color("off"), alpha=0.15, linewidth=0)
+            cells.append(_stat_cell("OFF/throughput", "throughput", ost, {"policy": "OFF"}))
         ax1.set_ylabel("Throughput (tok/s)")
         ax1.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False, columnspacing=1.0,
                    handlelength=1.5)
-        ax2.errorbar(summ["m_max"], summ["ready_pct_mean"], yerr=summ["ready_pct_std"], color=c, marker="s")
+        rr = summ.dropna(subset=["ready_pct_mean"])
+        ax2.errorbar(rr["m_max"], rr["ready_pct_mean"], yerr=_yerr(rr["ready_pct_mean"], rr["ready_pct_lo"],
+                     rr["ready_pct_hi"]), color=c, marker="s", capsize=2, elinewidth=0.8)
         ax2.set_ylabel("ReadyRecall (%)")
         ax2.set_xlabel(r"Maximum prefetch budget $M_{\max}$ (experts/layer)")
         ax2.set_xticks(summ["m_max"].tolist())
@@ -260,14 +281,19 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
         fig.align_ylabels((ax1, ax2))
         fig.tight_layout(h_pad=0.4)
     for r in summ.itertuples():
-        cells.append(Cell(id=f"M{r.m_max}/throughput", quantity="throughput", value=r.tokens_per_s_mean,
-                          std=r.tokens_per_s_std, n=r.n, keys={"m_max": int(r.m_max)}))
-        cells.append(Cell(id=f"M{r.m_max}/ready_recall", quantity="ready_recall", value=r.ready_pct_mean,
-                          std=r.ready_pct_std, n=r.n, keys={"m_max": int(r.m_max)}))
+        cells.append(_stat_cell(f"M{r.m_max}/throughput", "throughput", r.tokens_per_s_stats,
+                                {"m_max": int(r.m_max)}))
+        if r.ready_pct_stats is not None:
+            cells.append(_stat_cell(f"M{r.m_max}/ready_recall", "ready_recall", r.ready_pct_stats,
+                                    {"m_max": int(r.m_max)}))
+        else:
+            cells.append(Cell(id=f"M{r.m_max}/ready_recall", quantity="ready_recall", value=None,
+                              keys={"m_max": int(r.m_max)}))
     cells.append(Cell(id="peak_m_max", quantity="m_max", value=float(peak), keys={}))
     doc = TableDoc("fig4_budget", "Figure 4: prefetch budget sweep", cfg["profile"], cells,
                    meta={"platform": sel.platform, "model": sel.model, "profiled_m_max": profiled,
-                         "storage": sorted(spec["storage"].unique()), "note": _caption_note(cfg)})
+                         "storage": sorted(spec["storage"].unique()), "ci": CI_META,
+                         "note": _ci_note(cfg, rows)})
     return FigureResult(fig, doc)
 
 
@@ -276,41 +302,80 @@ def _gain_label(g: float) -> str:
 
 
 def figure_storage(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv") -> FigureResult:
-    """Figure 5: OFF vs SpecPrefetch throughput per storage profile (fastest to slowest), paired gain on top."""
+    """Figure 5: OFF vs SpecPrefetch throughput per storage profile (fastest to slowest) with 95 % bootstrap CIs,
+    the paired gain on top; with runs.csv's optional ``bound_tokens_per_s`` a marker at each bar's bound and the
+    throughput as % of it (in the JSON)."""
+    has_bound = bound_values(runs, path) is not None
     rows, sel = _device_rows(runs, path, cfg, "storage")
     rows = rows[rows["policy"].isin(["off", "specprefetch"])]
     require_rows(rows, path, "Figure 5", policy="specprefetch")
     g = paired_gains(rows, path)
+    extra = []
+    if has_bound:
+        g = g.assign(**{BOUND_COLUMN: pd.to_numeric(g[BOUND_COLUMN], errors="coerce")})
+        g["of_bound_pct"] = g["tokens_per_s"] / g[BOUND_COLUMN] * 100.0
+        has_bound = bool(g[BOUND_COLUMN].notna().any())
+        extra = [BOUND_COLUMN, "of_bound_pct"] if has_bound else []
     storages = [s for s in STORAGE_ORDER if s in set(g["storage"])]
     policies = ["off", "specprefetch"]
-    plot = g.assign(Storage=g["storage"].map(storage_label), Policy=g["policy"].map(POLICY_LABELS))
-    summ = summarize(g, ["storage", "policy"], ["tokens_per_s", "gain_pct"])
+    summ = summarize(g, ["storage", "policy"], ["tokens_per_s", "gain_pct", *extra])
     cells = []
+    width = 0.36
     with _theme():
-        fig, ax = plt.subplots(figsize=(COLUMN_WIDTH_IN, 2.2))
-        sns.barplot(data=plot, x="Storage", y="tokens_per_s", hue="Policy",
-                    order=[storage_label(s) for s in storages], hue_order=[POLICY_LABELS[p] for p in policies],
-                    palette={POLICY_LABELS[p]: color(p) for p in policies}, errorbar="sd", capsize=0.15, saturation=1.0,
-                    err_kws={"linewidth": 0.8}, width=0.72, ax=ax)
-        top = summ.groupby("storage")["tokens_per_s_mean"].max() + summ.groupby("storage")["tokens_per_s_std"].max()
+        fig, ax = plt.subplots(figsize=(COLUMN_WIDTH_IN, 2.4 if has_bound else 2.2))
+        top = {}
+        bound_label = True
+        for j, p in enumerate(policies):
+            for i, s in enumerate(storages):
+                sp = summ[(summ["storage"] == s) & (summ["policy"] == p)]
+                if sp.empty:
+                    continue
+                r = sp.iloc[0]
+                x = i + (j - 0.5) * width
+                ax.bar(x, r["tokens_per_s_mean"], width=width * 0.94, color=color(p),
+                       label=POLICY_LABELS[p] if i == 0 else None,
+                       yerr=[[r["tokens_per_s_mean"] - r["tokens_per_s_lo"]],
+                             [r["tokens_per_s_hi"] - r["tokens_per_s_mean"]]],
+                       error_kw={"elinewidth": 0.8, "capsize": 2, "ecolor": "#222222"})
+                high = r["tokens_per_s_hi"]
+                if has_bound and r[f"{BOUND_COLUMN}_stats"] is not None:
+                    b = r[f"{BOUND_COLUMN}_mean"]
+                    ax.plot([x], [b], marker="_", markersize=9, markeredgewidth=1.4, color="black",
+                            linestyle="none", label="bound" if bound_label else None, zorder=4)
+                    bound_label = False
+                    high = max(high, b)
+                top[s] = max(top.get(s, 0.0), float(high))
         for i, s in enumerate(storages):
             sp = summ[(summ["storage"] == s) & (summ["policy"] == "specprefetch")]
-            gain = float(sp["gain_pct_mean"].iloc[0])
-            ax.text(i, float(top[s]) * 1.03, _gain_label(gain), ha="center", va="bottom", fontsize=6.5,
+            st = sp["gain_pct_stats"].iloc[0]
+            ax.text(i, top[s] * 1.03, _gain_label(st.mean), ha="center", va="bottom", fontsize=6.5,
                     color=color("specprefetch"), fontweight="bold")
-            cells.append(Cell(id=f"{s}/gain", quantity="gain", value=gain, std=float(sp["gain_pct_std"].iloc[0]),
-                              n=int(sp["n"].iloc[0]), keys={"storage": s, "policy": "SpecPrefetch"}))
+            cells.append(_stat_cell(f"{s}/gain", "gain", st, {"storage": s, "policy": "SpecPrefetch"}))
         for r in summ.itertuples():
-            cells.append(Cell(id=f"{r.storage}/{POLICY_LABELS[r.policy]}/throughput", quantity="throughput",
-                              value=r.tokens_per_s_mean, std=r.tokens_per_s_std, n=r.n,
-                              keys={"storage": r.storage, "policy": POLICY_LABELS[r.policy]}))
-        ax.set_ylim(0, float(top.max()) * 1.18)
+            key = {"storage": r.storage, "policy": POLICY_LABELS[r.policy]}
+            cells.append(_stat_cell(f"{r.storage}/{POLICY_LABELS[r.policy]}/throughput", "throughput",
+                                    r.tokens_per_s_stats, key))
+            if has_bound:
+                bst, ost = getattr(r, f"{BOUND_COLUMN}_stats"), r.of_bound_pct_stats
+                cells.append(Cell(id=f"{r.storage}/{POLICY_LABELS[r.policy]}/bound", quantity="throughput",
+                                  value=None, keys=key) if bst is None else
+                             _stat_cell(f"{r.storage}/{POLICY_LABELS[r.policy]}/bound", "throughput", bst, key))
+                cells.append(Cell(id=f"{r.storage}/{POLICY_LABELS[r.policy]}/of_bound", quantity="share_pct",
+                                  value=None, keys=key) if ost is None else
+                             _stat_cell(f"{r.storage}/{POLICY_LABELS[r.policy]}/of_bound", "share_pct", ost, key))
+        ax.set_xticks(range(len(storages)), [storage_label(s) for s in storages])
+        ax.set_ylim(0, max(top.values()) * 1.18)
         ax.set_xlabel("Expert storage (fast → slow)")
         ax.set_ylabel("Throughput (tok/s)")
-        ax.legend(title=None, frameon=False, loc="upper right", ncol=2)
+        ax.grid(axis="x", visible=False)
+        if has_bound:  # three entries: above the axes, clear of the gain labels
+            ax.legend(title=None, frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3)
+        else:
+            ax.legend(title=None, frameon=False, loc="upper right", ncol=2)
         fig.tight_layout()
     doc = TableDoc("fig5_storage", "Figure 5: storage sensitivity", cfg["profile"], cells,
-                   meta={"platform": sel.platform, "model": sel.model, "note": _caption_note(cfg)})
+                   meta={"platform": sel.platform, "model": sel.model, "bound": has_bound, "ci": CI_META,
+                         "note": _ci_note(cfg, g)})
     return FigureResult(fig, doc)
 
 
@@ -323,7 +388,8 @@ COMPONENT_BARS = (  # (policy, compute_opt, label)
 
 
 def figure_component(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv") -> FigureResult:
-    """Figure 6: compute optimization and SpecPrefetch alone and combined (cold page cache), gain vs baseline."""
+    """Figure 6: compute optimization and SpecPrefetch alone and combined (cold page cache), gain vs baseline;
+    error bars: 95 % bootstrap CI of the mean throughput over repeats."""
     rows, sel = _device_rows(runs, path, cfg, "component")
     rows = _one_storage(rows, path, cfg, "experiment 'component'")
     for policy, opt, _ in COMPONENT_BARS:
@@ -334,24 +400,25 @@ def figure_component(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | st
         fig, ax = plt.subplots(figsize=(COLUMN_WIDTH_IN, 2.0))
         for i, (policy, opt, label) in enumerate(COMPONENT_BARS):
             sub = g[(g["policy"] == policy) & (g["compute_opt"] == opt)]
-            m, s, n = mean_std(sub["tokens_per_s"])
-            gm, gs, _ = mean_std(sub["gain_pct"])
-            ax.bar(i, m, yerr=s, color=color(policy), hatch="////" if opt else None, edgecolor="white",
-                   linewidth=0.4, width=0.66, error_kw={"elinewidth": 0.8, "capsize": 2})
+            tp = repeat_stats(sub["tokens_per_s"], sub["repeat"])
+            gain = repeat_stats(sub["gain_pct"], sub["repeat"])
+            ax.bar(i, tp.mean, yerr=[[tp.mean - tp.lo], [tp.hi - tp.mean]], color=color(policy),
+                   hatch="////" if opt else None, edgecolor="white", linewidth=0.4, width=0.66,
+                   error_kw={"elinewidth": 0.8, "capsize": 2})
             if i:
-                ax.annotate(_gain_label(gm), xy=(i, m + s), xytext=(0, 2), textcoords="offset points",
+                ax.annotate(_gain_label(gain.mean), xy=(i, tp.hi), xytext=(0, 2), textcoords="offset points",
                             ha="center", va="bottom", fontsize=6.5)
             key = {"policy": POLICY_LABELS[policy], "compute_opt": opt}
             name = label.replace("\n", "").replace("Spec-", "Spec")
-            cells.append(Cell(id=f"{name}/throughput", quantity="throughput", value=m, std=s, n=n, keys=key))
-            cells.append(Cell(id=f"{name}/gain", quantity="gain", value=gm, std=gs, n=n, keys=key))
+            cells.append(_stat_cell(f"{name}/throughput", "throughput", tp, key))
+            cells.append(_stat_cell(f"{name}/gain", "gain", gain, key))
         ax.set_xticks(range(len(COMPONENT_BARS)), [b[2] for b in COMPONENT_BARS])
         ax.set_ylabel("Throughput (tok/s)")
         ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
         ax.grid(axis="x", visible=False)
         fig.tight_layout()
     doc = TableDoc("fig6_component", "Figure 6: cold-cache component analysis", cfg["profile"], cells,
-                   meta={"platform": sel.platform, "model": sel.model, "note": _caption_note(cfg)})
+                   meta={"platform": sel.platform, "model": sel.model, "ci": CI_META, "note": _ci_note(cfg, g)})
     return FigureResult(fig, doc)
 
 
@@ -443,13 +510,18 @@ FIGURES: dict[str, FigureSpec] = {
                                "the fraction of events whose demand exceeds their window.", "Figure 1(b)"),
     "fig4_budget": FigureSpec("fig4_budget", ("runs",), _from_csv("runs", figure_budget),
                               "Impact of the maximum prefetch budget $M_{\\max}$ on throughput and ReadyRecall "
-                              "(mean $\\pm$ std over repeats; dotted: the profiled budget).", "Figure 4"),
+                              "(mean with its 95\\,\\% CI, paired bootstrap over repeats; dotted: the profiled "
+                              "budget).",
+                              "Figure 4"),
     "fig5_storage": FigureSpec("fig5_storage", ("runs",), _from_csv("runs", figure_storage),
                                "Storage sensitivity of decoding throughput, OFF vs SpecPrefetch, with the paired "
-                               "throughput gain of SpecPrefetch per storage profile.", "Figure 5"),
+                               "throughput gain of SpecPrefetch per storage profile (error bars: 95\\,\\% CI, paired "
+                               "bootstrap over repeats; black ticks: the runtime's throughput bound, when recorded).",
+                               "Figure 5"),
     "fig6_component": FigureSpec("fig6_component", ("runs",), _from_csv("runs", figure_component),
                                  "Cold-cache component analysis: compute optimization and prediction-guided "
-                                 "prefetching alone and combined (hatched: compute optimization on).", "Figure 6"),
+                                 "prefetching alone and combined (hatched: compute optimization on; error bars: "
+                                 "95\\,\\% CI, paired bootstrap over repeats).", "Figure 6"),
     "fig_recall_per_layer": FigureSpec("fig_recall_per_layer", ("per_layer",),
                                        _from_csv("per_layer", figure_recall_per_layer),
                                        "ExpertRecall@$K$ per target layer for every predictor, mean over "

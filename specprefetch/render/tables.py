@@ -27,17 +27,22 @@ from specprefetch.render.cells import (
     fmt_fixed,
     fmt_params,
     latex_escape,
-    pm,
+    pm_ci,
     tex_cell,
     throughput_decimals,
 )
 from specprefetch.render.data import (
+    BOUND_COLUMN,
+    CI_META,
     DeviceSelection,
     RenderInputError,
+    RepeatStats,
+    bound_values,
     experiment_rows,
-    mean_std,
     paired_gains,
     read_result_csv,
+    repeat_stats,
+    repeats_note,
     require_inputs,
     require_rows,
     select_device,
@@ -319,14 +324,15 @@ def build_table3(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
 # --------------------------------------------------------------------------------------------- Tables 4, 5
 
 
-def device_sentence(cfg: Mapping[str, Any], sel: DeviceSelection, n_repeats: int) -> str:
-    """Which platform/model/source produced a device table (plain text)."""
+def device_sentence(cfg: Mapping[str, Any], sel: DeviceSelection, rows: pd.DataFrame) -> str:
+    """Which platform/model/source produced a device table and how its ± reads (plain text): "mean ± 95 % CI
+    half-width, paired bootstrap over R repeats, N decoded tokens per run", R and N from ``rows``."""
     model = model_display(cfg, sel.model) if sel.model in cfg["models"] else sel.model
     sources = ", ".join(sel.sources)
     models = [sel.model] if sel.model in cfg["models"] else []
     prof = profile_sentence(cfg, models) if models else f"Profile: {cfg['profile']}."
-    return (f"Platform {sel.platform} ({sources}), model {model}; mean ± std over {n_repeats} paired repeats, "
-            f"gains computed per repeat against OFF. {prof}")
+    return (f"Platform {sel.platform} ({sources}), model {model}; {repeats_note(rows)}; gains computed per repeat "
+            f"against OFF. {prof}")
 
 
 def storage_phrase(storage: str) -> str:
@@ -353,49 +359,98 @@ def _unique_m_max(rows: pd.DataFrame, path: Path | str, what: str) -> int:
     return vals[0]
 
 
+def _stat_cell(cid: str, quantity: str, st: RepeatStats | None, keys: dict[str, Any], dec: int,
+               sign: bool = False) -> Cell:
+    """A device cell: mean with its CI, std, spread and per-repeat values; text "mean ± CI half-width"."""
+    if st is None:
+        return Cell(id=cid, quantity=quantity, value=None, keys=keys, text="–")
+    return Cell(id=cid, quantity=quantity, keys=keys, text=pm_ci(st.mean, st.lo, st.hi, dec, sign=sign,
+                                                                   math_mode=False), **st.cell_fields())
+
+
+def _tex_stat(st: RepeatStats | None, dec: int, sign: bool = False) -> str:
+    return "--" if st is None else pm_ci(st.mean, st.lo, st.hi, dec, sign=sign)
+
+
+def _maybe_stats(values: pd.Series, repeats: pd.Series) -> RepeatStats | None:
+    return repeat_stats(values, repeats) if values.notna().any() else None
+
+
+TABLE4_POLICIES = ("off", "pred0", "specprefetch")
+TABLE4_REFERENCE = "resident"  # the all-resident upper bound, a reference row when the runtime measured it
+
+
 def build_table4(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
-    """OFF / PRED0 / SpecPrefetch throughput (mean ± std) and paired gain vs OFF, under cold storage."""
+    """OFF / PRED0 / SpecPrefetch throughput and paired gain vs OFF under cold storage, each as mean ± 95 % CI
+    half-width (paired bootstrap over repeats); with runs.csv's optional ``bound_tokens_per_s`` also the bound and
+    the throughput as % of it; the all-resident runs (if any) as a reference row."""
     path = inputs["runs"]
     runs = read_result_csv(path, "runs")
+    has_bound = bound_values(runs, path) is not None
     rset = cfg["render"]
     sel = select_device(runs, path, cfg)
     storage = rset["device"]["cold_storage"]
     main = require_rows(experiment_rows(runs, path, sel, "main"), path, "Table 4", storage=storage)
     g = paired_gains(main, path)
+    if has_bound:
+        g = g.assign(**{BOUND_COLUMN: pd.to_numeric(g[BOUND_COLUMN], errors="coerce")})
+        has_bound = bool(g[BOUND_COLUMN].notna().any())
     m_max = _unique_m_max(_policy_rows(g, path, "specprefetch", "Table 4 (SpecPrefetch)"), path,
                           "experiment 'main', policy 'specprefetch'")
     off = _policy_rows(g, path, "off", "Table 4 (OFF)")
     dec = throughput_decimals(float(off["tokens_per_s"].mean()))
-    cells, rows = [], []
-    for policy in ("off", "pred0", "specprefetch"):
+    policies = list(TABLE4_POLICIES)
+    reference = TABLE4_REFERENCE in set(g["policy"])
+    if reference:
+        policies.append(TABLE4_REFERENCE)
+    cells, rows, ref_rows = [], [], []
+    for policy in policies:
         pr = _policy_rows(g, path, policy, f"Table 4 ({POLICY_LABELS[policy]})")
         label = POLICY_LABELS[policy]
-        tp = mean_std(pr["tokens_per_s"])
-        gain = mean_std(pr["gain_pct"]) if policy != "off" else None
-        c_tp = Cell(id=f"{label}/throughput", quantity="throughput", value=tp[0], std=tp[1], n=tp[2],
-                    keys={"policy": label, "column": "throughput"}, text=pm(tp[0], tp[1], dec, math_mode=False))
-        c_gain = Cell(id=f"{label}/gain", quantity="gain", value=None if gain is None else gain[0],
-                      std=None if gain is None else gain[1], n=None if gain is None else gain[2],
-                      keys={"policy": label, "column": "gain"},
-                      text="–" if gain is None else pm(gain[0], gain[1], 2, sign=True, math_mode=False))
-        cells += [c_tp, c_gain]
+        tp = repeat_stats(pr["tokens_per_s"], pr["repeat"])
+        gain = repeat_stats(pr["gain_pct"], pr["repeat"]) if policy != "off" else None
+        row_cells = [_stat_cell(f"{label}/throughput", "throughput", tp, {"policy": label, "column": "throughput"},
+                                dec),
+                     _stat_cell(f"{label}/gain", "gain", gain, {"policy": label, "column": "gain"}, 2, sign=True)]
+        tex = [_tex_stat(tp, dec), _tex_stat(gain, 2, sign=True)]
+        if has_bound:
+            bound = _maybe_stats(pr[BOUND_COLUMN], pr["repeat"])
+            ratio = _maybe_stats(pr["tokens_per_s"] / pr[BOUND_COLUMN] * 100.0, pr["repeat"])
+            row_cells += [_stat_cell(f"{label}/bound", "throughput", bound, {"policy": label, "column": "bound"},
+                                     dec),
+                          _stat_cell(f"{label}/of_bound", "share_pct", ratio, {"policy": label,
+                                                                               "column": "of_bound"}, 1)]
+            tex += [_tex_stat(bound, dec), _tex_stat(ratio, 1)]
+        cells += row_cells
         name = POLICY_LATEX[policy] + (rf" ($M_{{\max}}={m_max}$)" if policy == "specprefetch" else "")
-        rows.append({"label": name, "cells": [pm(tp[0], tp[1], dec),
-                                              "--" if gain is None else pm(gain[0], gain[1], 2, sign=True)]})
+        if policy == TABLE4_REFERENCE:
+            name += " (reference)"
+        (ref_rows if policy == TABLE4_REFERENCE else rows).append({"label": name, "cells": tex})
     n_rep = int(off["repeat"].nunique())
+    shown = g[g["policy"].isin(policies)]
+    headers = [("Throughput", "(tok/s)"), ("Gain vs.\\ OFF", "(\\%)")]
+    if has_bound:
+        headers += [("Bound", "(tok/s)"), ("Of bound", "(\\%)")]
     caption = (f"Runtime overhead of prediction and prefetch control under {storage_phrase(storage)}. "
                r"PRED$_0$ executes the complete prediction and control path but issues no expert transfers. "
-               + latex_escape(device_sentence(cfg, sel, n_rep)))
-    context = {"caption": caption, "label": "tab:overhead", "rows": rows}
+               + (r"Bound: the overlap/roofline throughput bound of the configuration computed by the runtime; "
+                  r"of bound: throughput / bound per repeat. " if has_bound else "")
+               + ("All resident: every expert in accelerator memory (an upper reference, not a policy). "
+                  if reference else "")
+               + latex_escape(device_sentence(cfg, sel, shown)))
+    context = {"caption": caption, "label": "tab:overhead", "rows": rows, "reference_rows": ref_rows,
+               "headers": headers}
     doc = TableDoc("table4_overhead", "Table 4: runtime overhead of prediction and prefetch control",
                    cfg["profile"], cells, meta={"platform": sel.platform, "model": sel.model, "storage": storage,
-                                                "m_max": m_max, "sources": list(sel.sources), "repeats": n_rep})
+                                                "m_max": m_max, "sources": list(sel.sources), "repeats": n_rep,
+                                                "bound": has_bound, "ci": CI_META,
+                                                "note": repeats_note(shown)})
     return Built("table4_overhead.tex.j2", context, doc)
 
 
 def build_table5(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
     """Naive Prefetch (and FATE if run) vs SpecPrefetch at one matched M_max: gain under cold and slow storage,
-    ReadyRecall (under the cold storage)."""
+    ReadyRecall (under the cold storage), each as mean ± 95 % CI half-width (paired bootstrap over repeats)."""
     path = inputs["runs"]
     runs = read_result_csv(path, "runs")
     rset = cfg["render"]
@@ -406,49 +461,54 @@ def build_table5(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
     policies = [p for p in TABLE5_POLICIES if p in set(g["policy"])]
     for need in ("naive", "specprefetch"):
         _policy_rows(g, path, need, "Table 5")
-    budgets = {p: _unique_m_max(_policy_rows(g, path, p, "Table 5"), path, f"experiment 'matched', policy {p!r}")
-               for p in policies}
-    if len(set(budgets.values())) != 1:
-        raise RenderInputError(f"{path}: experiment 'matched' uses different m_max per policy {budgets}; "
-                               "Table 5 compares at one matched budget")
-    m_max = next(iter(budgets.values()))
+    budgets: dict[str, int] = {}  # each storage has its own window-aware budget, the same for every policy
+    for st in dict.fromkeys([cold, slow]):
+        per = {p: _unique_m_max(_policy_rows(g, path, p, "Table 5", storage=st), path,
+                                f"experiment 'matched', policy {p!r}, storage {st!r}") for p in policies}
+        if len(set(per.values())) != 1:
+            raise RenderInputError(f"{path}: experiment 'matched' uses different m_max per policy {per} on {st}; "
+                                   "Table 5 compares at one matched budget per storage")
+        budgets[st] = next(iter(per.values()))
+    m_max = budgets[cold]
+    m_text = (f"$M_{{\\max}}={m_max}$" if budgets[slow] == m_max else
+              f"$M_{{\\max}}={m_max}$ under {storage_phrase(cold)} and ${budgets[slow]}$ under {storage_phrase(slow)} "
+              "(each storage's window-aware budget)")
     columns = (("gain_cold", cold, "gain", 2), ("gain_slow", slow, "gain", 2), ("ready_recall", cold,
                                                                                  "ready_recall", 1))
-    stats: dict[str, list[tuple[float, float, int] | None]] = {}
+    stats: dict[str, list[RepeatStats | None]] = {}
     for p in policies:
-        out: list[tuple[float, float, int] | None] = []
+        out: list[RepeatStats | None] = []
         for col, storage, _, _ in columns:
             pr = _policy_rows(g, path, p, f"Table 5 column {col}", storage=storage)
             if col == "ready_recall":
-                rr = pr["ready_recall"].dropna()
-                out.append(mean_std(rr * 100.0) if not rr.empty else None)
+                out.append(_maybe_stats(pr["ready_recall"] * 100.0, pr["repeat"]))
             else:
-                out.append(mean_std(pr["gain_pct"]))
+                out.append(repeat_stats(pr["gain_pct"], pr["repeat"]))
         stats[p] = out
     cells = []
     texts = {p: [] for p in policies}
     for j, (col, storage, quantity, dec) in enumerate(columns):
-        mask = best_mask([stats[p][j][0] if stats[p][j] else None for p in policies], dec)
+        mask = best_mask([stats[p][j].mean if stats[p][j] else None for p in policies], dec)
         for p, on in zip(policies, mask, strict=True):
             s = stats[p][j]
             sign = quantity == "gain"
-            cells.append(Cell(id=f"{POLICY_LABELS[p]}/{col}", quantity=quantity, value=s[0] if s else None,
-                              std=s[1] if s else None, n=s[2] if s else None,
-                              keys={"policy": POLICY_LABELS[p], "column": col, "storage": storage},
-                              text=pm(s[0], s[1], dec, sign=sign, math_mode=False) if s else "–"))
-            texts[p].append(bold(pm(s[0], s[1], dec, sign=sign) if s else "--", on))
+            cells.append(_stat_cell(f"{POLICY_LABELS[p]}/{col}", quantity, s,
+                                    {"policy": POLICY_LABELS[p], "column": col, "storage": storage}, dec, sign=sign))
+            texts[p].append(bold(_tex_stat(s, dec, sign=sign), on))
     rows = [{"label": POLICY_LATEX[p], "cells": texts[p]} for p in policies]
     n_rep = int(g["repeat"].nunique())
+    shown = g[g["policy"].isin(policies)]
     headers = [("Cold NVMe" if cold == "nvme_cold" else storage_label(cold), "Gain (\\%)"),
                (f"{storage_label(slow)}", "Gain (\\%)"), ("ReadyRecall", "(\\%)")]
-    caption = (f"Matched-budget comparison of expert prediction strategies with $M_{{\\max}}={m_max}$: throughput "
+    caption = (f"Matched-budget comparison of expert prediction strategies with {m_text}: throughput "
                f"gain vs OFF under {storage_phrase(cold)} and {storage_phrase(slow)}, ReadyRecall under "
-               f"{storage_phrase(cold)}. Bold: best per column. "
-               + latex_escape(device_sentence(cfg, sel, n_rep)))
+               f"{storage_phrase(cold)}. Bold: best mean per column. "
+               + latex_escape(device_sentence(cfg, sel, shown)))
     context = {"caption": caption, "label": "tab:matched", "rows": rows, "headers": headers}
     doc = TableDoc("table5_matched", "Table 5: matched-budget comparison", cfg["profile"], cells,
                    meta={"platform": sel.platform, "model": sel.model, "cold_storage": cold, "slow_storage": slow,
-                         "m_max": m_max, "sources": list(sel.sources), "repeats": n_rep})
+                         "m_max": m_max, "m_max_per_storage": budgets, "sources": list(sel.sources),
+                         "repeats": n_rep, "ci": CI_META, "note": repeats_note(shown)})
     return Built("table5_matched.tex.j2", context, doc)
 
 

@@ -16,15 +16,21 @@ A pairing group (an experiment's configurations on one storage, OFF included; Fi
 that an earlier experiment measured in full is not run again: its rows are that experiment's runs of the same
 repeat, relabelled (column ``measured_in`` names the experiment that ran them), so pairs still come from one block
 of back-to-back runs. E.g. ``matched`` on the reference storage is ``main``'s OFF, Naive, SpecPrefetch and FATE.
-Every run must decode exactly the tokens of the first run (the router decides; this is checked). Each run's
-routing and priorities are kept so the simulator can replay it.
+Every run must decode exactly the tokens of the plain model's greedy ``generate()`` (every expert resident, no
+runtime: :meth:`Harness.plain_generations`); the router decides, so a policy cannot change them; a run that does
+is an error. Each run's tokens (``tokens_sha256``; the tokens themselves in the routing record), routing and
+priorities are kept so the simulator can replay it. ``bound_tokens_per_s`` is the run's overlap bound
+(:func:`overlap_bound`).
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
+import json
 import logging
 import random
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,24 +72,42 @@ class RunConfig:
         return (self.policy, self.storage, self.budget, self.compute_opt)
 
 
-def plan_experiments(settings: dict[str, Any], m_max: int, experiments: Iterable[str]) -> dict[str, list[RunConfig]]:
-    """The configurations of every experiment, in run order (OFF first, so it is each repeat's reference)."""
+def resolve_m_max(settings: dict[str, Any], profile: dict[str, Any]) -> dict[str, int]:
+    """M_max per storage: ``device.m_max`` when an integer, else the window profile's budget of each storage
+    (``m_max_per_storage``: ⌊W / t_transfer⌋ with that storage's transfer time)."""
+    storages = dict.fromkeys([settings["reference_storage"], settings["slow_storage"], *settings["storages"]])
+    if settings["m_max"] != "auto":
+        return {st: int(settings["m_max"]) for st in storages}
+    per = profile.get("m_max_per_storage") or {}
+    missing = [st for st in storages if st not in per]
+    if missing:
+        raise SpecPrefetchError(f"window profile has no M_max for storage {', '.join(missing)}: rerun profile-window")
+    return {st: int(per[st]) for st in storages}
+
+
+def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int,
+                     experiments: Iterable[str]) -> dict[str, list[RunConfig]]:
+    """The configurations of every experiment, each storage at its own budget ``budgets[storage]`` (an integer:
+    the same budget everywhere)."""
     ref, slow = settings["reference_storage"], settings["slow_storage"]
+    m_max = budgets if isinstance(budgets, dict) else defaultdict(lambda: int(budgets))
     out: dict[str, list[RunConfig]] = {}
     for exp in experiments:
         if exp == "main":
             pols = ["off", *[p for p in settings["main_policies"] if p != "off"]]
-            out[exp] = [RunConfig(exp, p, ref, m_max) for p in pols]
+            out[exp] = [RunConfig(exp, p, ref, m_max[ref]) for p in pols]
         elif exp == "matched":
             pols = ["off", *[p for p in settings["matched_policies"] if p != "off"]]
-            out[exp] = [RunConfig(exp, p, st, m_max) for st in dict.fromkeys([ref, slow]) for p in pols]
+            out[exp] = [RunConfig(exp, p, st, m_max[st]) for st in dict.fromkeys([ref, slow]) for p in pols]
         elif exp == "sweep":
-            ms = sorted({int(m) for m in settings["sweep_m_max"]} | {m_max})
+            ms = sorted({int(m) for m in settings["sweep_m_max"]} | {m_max[ref]})
             out[exp] = [RunConfig(exp, "off", ref, 0)] + [RunConfig(exp, "specprefetch", ref, m) for m in ms]
         elif exp == "storage":
-            out[exp] = [RunConfig(exp, p, st, m_max) for st in settings["storages"] for p in ("off", "specprefetch")]
+            out[exp] = [RunConfig(exp, p, st, m_max[st]) for st in settings["storages"]
+                        for p in ("off", "specprefetch")]
         elif exp == "component":
-            out[exp] = [RunConfig(exp, p, ref, m_max, opt) for opt in (False, True) for p in ("off", "specprefetch")]
+            out[exp] = [RunConfig(exp, p, ref, m_max[ref], opt) for opt in (False, True)
+                        for p in ("off", "specprefetch")]
         else:
             raise SpecPrefetchError(f"unknown experiment {exp!r}")
     return out
@@ -108,9 +132,37 @@ def reused_groups(plan: dict[str, list[RunConfig]]) -> dict[tuple[str, str], str
     return out
 
 
-def run_row(res: RunResult, cfg: RunConfig, repeat: int, platform: str, model: str, charge: str,
-            record_bytes: int, tokens_match: bool) -> dict[str, Any]:
+def tokens_sha256(tokens: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(tokens, separators=(",", ":")).encode()).hexdigest()
+
+
+def overlap_bound(res: RunResult, profile: dict[str, Any], storage: str) -> float:
+    """The run's roofline throughput (tok/s): every decoding layer takes ``max(compute, transfers)`` with perfect
+    overlap, where compute is the layer's measured all-resident time (``profile.json``'s compute profile: the
+    bookkeeping, prediction and expert compute, plus the gap to the next layer) and transfers are the loads this
+    run could not avoid (its demand loads and the prefetches its layer used) at the storage's measured per-expert
+    transfer time; plus the per-token head. NaN when the profile lacks the storage's transfer time."""
+    comp = profile.get("compute", {}).get("opt" if res.compute_opt else "loop")
+    t_ms = profile.get("transfer_ms", {}).get(storage, {}).get("transfer_ms")
+    if not comp or t_ms is None or not res.n_tokens:
+        return float("nan")
+    t = float(t_ms) * 1e-3
+    per_layer = [b + m + g for b, m, g in zip(comp["book_s"], comp["moe_s"], comp["gap_s"])]
+    total, steps = 0.0, set()
+    for ev in res.events:
+        if ev.n_tokens != 1 or ev.step == 0:
+            continue  # prefill and the first token are not decoding time (decode.py)
+        steps.add(ev.step)
+        loads = ev.misses + max(ev.inflight, ev.prefetch_used)  # in flight at t_exec: prefetches it used
+        total += max(per_layer[ev.layer] if ev.layer < len(per_layer) else 0.0, loads * t)
+    total += len(steps) * float(comp.get("head_s", 0.0))
+    return len(steps) / total if total > 0 else float("nan")
+
+
+def run_row(res: RunResult, cfg: RunConfig, repeat: int, platform: str, model: str, layout: Any,
+            tokens_match: bool, bound: float) -> dict[str, Any]:
     st = res.stats
+    record_bytes = layout.record_bytes
     return {
         "platform": platform, "model": model, "experiment": cfg.experiment, "policy": cfg.policy,
         "storage": cfg.storage, "m_max": res.m_max, "compute_opt": cfg.compute_opt, "repeat": repeat,
@@ -119,8 +171,9 @@ def run_row(res: RunResult, cfg: RunConfig, repeat: int, platform: str, model: s
         "stall_ms": st.stall_ms, "source": "measured", "inflight": st.inflight, "cancelled": st.cancelled,
         "demand_loads": st.demand_loads, "io_errors": st.io_errors, "peak_cache_experts": st.peak_cache_experts,
         "capacity_experts": res.capacity, "peak_cache_bytes": st.peak_cache_experts * record_bytes,
-        "capacity_bytes": res.capacity * record_bytes, "decode_s": res.decode_s,
-        "charge": charge if cfg.storage not in ("nvme_cold", "ram") else "real", "tokens_match": tokens_match,
+        "capacity_bytes": res.capacity * record_bytes, "decode_s": res.decode_s, "record_bytes": record_bytes,
+        "expert_format": layout.quant if layout.quant != "none" else str(layout.dtype).removeprefix("torch."),
+        "tokens_match": tokens_match, "tokens_sha256": tokens_sha256(res.tokens()), "bound_tokens_per_s": bound,
         "measured_in": cfg.experiment,
     }
 
@@ -148,7 +201,7 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     no policy is always first (or always right after the warm-up); column ``run_order`` is a run's position.
     """
     settings = harness.settings
-    m_max = int(profile["m_max"]) if settings["m_max"] == "auto" else int(settings["m_max"])
+    m_max = resolve_m_max(settings, profile)
     plan = plan_experiments(settings, m_max, experiments or settings["experiments"])
     reuse = reused_groups(plan)
     repeats = int(settings["repeats"])
@@ -159,7 +212,9 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     # warm-up: allocator, lazy module init, page-table of the store (not recorded)
     harness.run("resident", "ram", max_new_tokens=4, prompts=harness.prompts[:1])
     harness.run("off", settings["reference_storage"], max_new_tokens=4, prompts=harness.prompts[:1])
-    reference_tokens: list[list[int]] | None = None
+    plain = [g.new_ids for g in harness.plain_generations()]
+    log.info("plain model: %d prompts x %d new tokens (sha256 %s)", len(plain), len(plain[0]) if plain else 0,
+             tokens_sha256(plain)[:12])
     rows: list[dict[str, Any]] = []
     measured: dict[tuple[str, int, Signature], dict[str, Any]] = {}
     routing: dict[str, Any] = {}
@@ -173,24 +228,22 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
                     continue
                 res = harness.run(cfg.policy, cfg.storage, cfg.m_max, cfg.compute_opt, record=True)
                 done += 1
-                toks = res.tokens()
-                if reference_tokens is None:
-                    reference_tokens = toks
-                match = toks == reference_tokens
+                match = res.tokens() == plain
                 if not match:
-                    raise SpecPrefetchError(f"{model}: run {cfg.key} repeat {r} decoded different tokens than the "
-                                            "first run; the offloaded runtime must not change outputs")
-                rows.append({**run_row(res, cfg, r, platform, model, settings["charge"], harness.store.record_bytes,
-                                       match), "run_order": pos})
+                    raise SpecPrefetchError(f"{model}: run {cfg.key} repeat {r} decoded other tokens than the plain "
+                                            "model's greedy generate(); the offloaded runtime must not change outputs")
+                rows.append({**run_row(res, cfg, r, platform, model, harness.store.layout, match,
+                                       overlap_bound(res, profile, cfg.storage)), "run_order": pos})
                 measured[(exp, r, cfg.signature)] = rows[-1]
                 if r == 0:  # routing and priorities are the same in every repeat (same tokens): record one
-                    routing[cfg.key] = {"row": rows[-1], "events": recorded_routing(res), "repeats": []}
+                    routing[cfg.key] = {"row": rows[-1], "events": recorded_routing(res), "repeats": [],
+                                        "tokens": torch.tensor(res.tokens(), dtype=torch.int64)}
                 routing[cfg.key]["repeats"].append(rows[-1])
                 log.info("[%d/%d] %s r%d: %.2f tok/s", done, n_runs, cfg.key, r, res.tokens_per_s)
     write_runs_csv(out_csv, rows)
     if routing_out is not None:
-        save_tensor_tree(routing_out, {"model": model, "platform": platform, "emulation_scale": harness.scale,
-                                       "capacity": harness.capacity, "runs": routing,
+        save_tensor_tree(routing_out, {"model": model, "platform": platform, "capacity": harness.capacity,
+                                       "plain_tokens": torch.tensor(plain, dtype=torch.int64), "runs": routing,
                                        "provenance": provenance(config_fragment)}, ROUTING_FORMAT)
     return rows
 

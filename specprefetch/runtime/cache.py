@@ -176,21 +176,26 @@ class SlotPool:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.capacity = capacity
-        self.data = torch.zeros(capacity, layout.record_bytes, dtype=torch.uint8, device=self.device)
-        self.events: list[torch.cuda.Event | None] = [None] * capacity
         rb = layout.record_bytes
-        isz = layout.itemsize
-        if rb % isz or layout.down_offset % isz:
+        if self.device.type == "cpu":  # every slot on an alignment boundary: O_DIRECT reads land straight in it
+            base = torch.zeros(capacity * rb + layout.alignment, dtype=torch.uint8)
+            off = -base.data_ptr() % layout.alignment
+            self.data = base[off: off + capacity * rb].view(capacity, rb)
+        else:
+            self.data = torch.zeros(capacity, rb, dtype=torch.uint8, device=self.device)
+        self.events: list[torch.cuda.Event | None] = [None] * capacity
+        if any(p.offset % torch.empty((), dtype=p.dtype).element_size() for p in layout.parts):
             raise CacheError("record layout is not aligned to the weight dtype")
-        flat = self.data.view(layout.dtype)  # [C, rb / itemsize]
-        gu_n = 2 * layout.intermediate * layout.hidden
-        dn_off = layout.down_offset // isz
-        self.gate_up = flat[:, :gu_n].view(capacity, 2 * layout.intermediate, layout.hidden)
-        self.down = flat[:, dn_off: dn_off + layout.hidden * layout.intermediate].view(
-            capacity, layout.hidden, layout.intermediate)
         # per-slot views made once (a view per access costs more than the bookkeeping of a transfer)
         self._records = list(self.data.unbind(0))
-        self._weights = list(zip(self.gate_up.unbind(0), self.down.unbind(0)))
+        self._weights = [layout.views(r) for r in self._records]
+        # dense unpadded experts: [C, 2I, H] / [C, H, I] views of every slot, for the batched one-token path
+        self.gate_up: torch.Tensor | None = None
+        self.down: torch.Tensor | None = None
+        if layout.quant == "none" and not layout.padded:
+            gu, dn = layout.parts
+            self.gate_up = self.data[:, gu.offset: gu.offset + gu.nbytes].view(layout.dtype).view(capacity, *gu.shape)
+            self.down = self.data[:, dn.offset: dn.offset + dn.nbytes].view(layout.dtype).view(capacity, *dn.shape)
         self._buffers = [memoryview(r.numpy()).cast("B") for r in self._records] if self.device.type == "cpu" else None
 
     @property
@@ -204,7 +209,7 @@ class SlotPool:
         """The slot's bytes as a writable memoryview (CPU pool), for reads straight into it."""
         return None if self._buffers is None else self._buffers[slot]
 
-    def weights(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def weights(self, slot: int) -> tuple[torch.Tensor, ...]:
         return self._weights[slot]
 
     def mark_used(self, slot: int) -> None:

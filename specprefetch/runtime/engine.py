@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specprefetch.contracts import POLICIES, PREDICTING
@@ -135,6 +134,10 @@ class OffloadedRuntime:
         self.n_experts = store.n_experts
         self.top_k = int(self.spec.top_k)
         self.device = torch.device(device)
+        if store.layout.quant == "int4":
+            from specprefetch.runtime.quant import check_int4_available
+
+            check_int4_available(self.device)  # the packed 4-bit layout is aten's CPU one
         self.preload = options.preload or options.policy == "resident"
         cap = store.total_experts if self.preload or not options.capacity else options.capacity
         cap = min(int(cap), store.total_experts)
@@ -145,6 +148,7 @@ class OffloadedRuntime:
         self.provider = provider if options.policy in PREDICTING else None
         self.cache = ExpertCache(cap)
         self.pool = SlotPool(cap, store.layout, self.device)
+        self.layout = store.layout
         self.engine = TransferEngine(reader, self.cache, self.pool, options.io_workers, options.io_retries)
         self.originals: list[nn.Module | None] = []
         self.installed = False
@@ -378,12 +382,8 @@ class OffloadedRuntime:
             if waited:
                 ev.t_ready = t1
             stall += t1 - t0
-            gu, dn = self.pool.weights(slot)
             pos, tok = torch.where(idx_dev.t() == key[1])
-            cur = hidden[tok]
-            gate, up = F.linear(cur, gu).chunk(2, dim=-1)
-            h = mod.act_fn(gate) * up
-            y = F.linear(h, dn) * weights[tok, pos, None]
+            y = self.layout.mlp(self.pool.weights(slot), hidden[tok], mod.act_fn) * weights[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
             with self.cache.lock:
                 self._release(key, slot, protect)
@@ -401,6 +401,16 @@ class OffloadedRuntime:
         slots = [self._ensure(k, protect) for k in keys]
         ev.t_ready = time.perf_counter()
         ev.stall_s = ev.t_ready - t0
+        # one token: its top-k ids are distinct, so sorting them gives ``keys``' order
+        w = weights[0, torch.argsort(top_k_index_row(idx, weights.device))]
+        if self.pool.gate_up is None:  # quantized or widened experts: one MLP each, summed in ascending id
+            out = torch.zeros_like(hidden)
+            for s, wk in zip(slots, w.unbind(0)):
+                out.add_(self.layout.mlp(self.pool.weights(s), hidden, mod.act_fn) * wk)
+            with self.cache.lock:
+                for k, s in zip(keys, slots):
+                    self._release(k, s, protect)
+            return out
         st = torch.tensor(slots, device=self.pool.device)
         gu = self.pool.gate_up.index_select(0, st)            # [E, 2I, H]
         dn = self.pool.down.index_select(0, st)                # [E, H, I]
@@ -411,6 +421,4 @@ class OffloadedRuntime:
         gate, up = torch.matmul(gu, x).chunk(2, dim=-1)         # [E, I] each
         h = mod.act_fn(gate) * up
         y = torch.bmm(dn, h.unsqueeze(-1)).squeeze(-1)          # [E, H]
-        # one token: its top-k ids are distinct, so sorting them gives ``keys``' order
-        w = weights[0, torch.argsort(top_k_index_row(idx, weights.device))]
         return (y * w[:, None]).sum(dim=0, keepdim=True).to(hidden.dtype)

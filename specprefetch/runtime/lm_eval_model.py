@@ -32,7 +32,9 @@ from lm_eval.models.huggingface import HFLM
 
 from specprefetch.io import SpecPrefetchError, atomic_path
 from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions
+from specprefetch.runtime.paper_scale import install_store_experts, scale_of, widen_shared_experts
 from specprefetch.runtime.storage import ExpertReader, make_profile
+from specprefetch.runtime.store import find_moe_blocks
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,9 @@ class OffloadedLM(HFLM):
         if expert_store is None:
             expert_store = ExpertStore(store)
         spec = bundle.routing
+        scale = scale_of(expert_store)
+        if scale is not None:  # a paper-scale store: the shared experts are widened the same way
+            widen_shared_experts(find_moe_blocks(language_model(bundle.model), spec), scale)
         if provider is None and policy not in ("off", "resident", "naive"):
             provider = _provider_from(policy, predictor, spec, device)
         if provider is None and policy == "naive":
@@ -159,8 +164,9 @@ def _outputs(res: dict[str, Any]) -> dict[str, list[Any]]:
 
 def evaluate_offloaded(cfg: dict[str, Any], settings: dict[str, Any], model_name: str, bundle: Any, store: Any,
                        providers: dict[str, Any], tasks_dir: Path, out_csv: str | Path,
-                       device: str = "cpu") -> list[dict[str, Any]]:
-    """Score the local tasks with the plain model and through the runtime for every policy; write the CSV."""
+                       device: str = "cpu", m_max: int = 1) -> list[dict[str, Any]]:
+    """Score the local tasks with the plain model of the store and through the runtime (budget ``m_max``) for every
+    policy; write the CSV."""
     acc = settings["accuracy"]
     names, paths = task_paths(cfg, tasks_dir, acc.get("tasks"))
     limit = acc.get("limit")
@@ -168,12 +174,13 @@ def evaluate_offloaded(cfg: dict[str, Any], settings: dict[str, Any], model_name
     lm_model = language_model(bundle.model)
     if hasattr(lm_model, "set_experts_implementation"):
         lm_model.set_experts_implementation("eager")  # transformers' reference loop
+    # the plain model of the store: its experts (widened and 4-bit for a paper-scale store), all resident
+    install_store_experts(find_moe_blocks(lm_model, bundle.routing), store, "cpu")
     lm_model.to(device)
     plain = HFLM(pretrained=lm_model, tokenizer=bundle.tokenizer, batch_size=1, device=device)
     ref = _evaluate(plain, names, paths, limit, max_gen)
     ref_scores, ref_out = _scores(ref), _outputs(ref)
     storage = settings["reference_storage"]
-    m_max = int(settings["m_max"]) if settings["m_max"] != "auto" else 2 * int(bundle.routing.top_k)
     rows = []
     for policy in acc["policies"]:
         key = "specprefetch" if policy == "pred0" else policy

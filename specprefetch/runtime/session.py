@@ -20,6 +20,7 @@ from torch import nn
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.decode import Generation, Prompt, greedy_generate
 from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions, install_offloaded
+from specprefetch.runtime.paper_scale import install_store_experts, scale_of, widen_shared_experts
 from specprefetch.runtime.priority import PreviousTokenPriority, PriorityProvider
 from specprefetch.runtime.storage import ExpertReader, StorageProfile, make_profile
 from specprefetch.runtime.store import ExpertStore, find_moe_blocks
@@ -62,18 +63,19 @@ class Harness:
 
     def __init__(self, model: nn.Module, spec: Any, store: ExpertStore, settings: dict[str, Any],
                  prompts: list[Prompt], providers: dict[str, Callable[[], PriorityProvider]],
-                 device: str = "cpu", emulation_scale: float = 1.0, capacity: int | None = None,
-                 tokenizer: Any = None) -> None:
+                 device: str = "cpu", capacity: int | None = None, tokenizer: Any = None) -> None:
         self.model = model
         self.spec = spec
         self.store = store
         self.settings = settings
         self.device = torch.device(device)
         self.providers = providers
-        self.scale = float(emulation_scale)
         self.tokenizer = tokenizer
         self.blocks = find_moe_blocks(model, spec)
         store.check_model(self.blocks)
+        scale = scale_of(store)
+        if scale is not None:  # the paper-scale store: shared experts widened the same way (resident)
+            widen_shared_experts(self.blocks, scale)
         self.originals = install_offloaded(self.blocks)  # fused experts leave the model (never reach the GPU)
         if self.device.type == "cuda":
             model.to(self.device)
@@ -84,7 +86,7 @@ class Harness:
         self._readers: dict[str, ExpertReader] = {}
 
     def profile(self, storage: str) -> StorageProfile:
-        return make_profile(storage, self.settings, self.store.layout.payload_bytes, self.scale)
+        return make_profile(storage, self.settings, self.store.layout.payload_bytes)
 
     def reader(self, storage: str) -> ExpertReader:
         if storage not in self._readers:
@@ -101,6 +103,20 @@ class Harness:
         if key not in self.providers:
             raise SpecPrefetchError(f"policy {policy!r} needs a {key} predictor, none was given")
         return self.providers[key]()
+
+    def plain_generations(self, max_new_tokens: int | None = None,
+                          prompts: list[Prompt] | None = None) -> list[Generation]:
+        """The plain model's greedy ``generate()``: every MoE block computes its experts from the store's records,
+        all resident (:class:`~specprefetch.runtime.paper_scale.ResidentExperts`), with no runtime: the tokens
+        every offloaded run must reproduce."""
+        saved = install_store_experts(self.blocks, self.store, self.device)
+        try:
+            n_new = int(max_new_tokens or self.settings["max_new_tokens"])
+            return [greedy_generate(self.model, p, n_new, fixed_length=True, tokenizer=self.tokenizer)
+                    for p in prompts or self.prompts]
+        finally:
+            for b, mod in zip(self.blocks, saved):
+                b.block.experts = mod
 
     def close(self) -> None:
         for r in self._readers.values():

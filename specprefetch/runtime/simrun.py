@@ -45,15 +45,14 @@ VALIDATION_COLUMNS = ["platform", "model", "experiment", "policy", "storage", "m
 METRICS = ("tokens_per_s", "ready_recall", "hits", "misses", "prefetched", "wasted", "stall_ms")
 
 
-def local_storage(profile: dict[str, Any], storage: str, settings: dict[str, Any],
-                  scale: float | None = None) -> tuple[StorageProfile, float | None, float]:
-    """(device model, fixed transfer s, per-transfer overhead s) of ``storage`` as profiled on this machine;
-    ``scale``: the emulation scale the replayed runs used (default: the profile's)."""
+def local_storage(profile: dict[str, Any], storage: str,
+                  settings: dict[str, Any]) -> tuple[StorageProfile, float | None, float]:
+    """(device model, fixed transfer s, per-transfer overhead s) of ``storage`` as profiled on this machine."""
     payload = int(profile["payload_bytes"])
-    overhead = float(profile.get("emulation_overshoot_ms", 0.0)) * 1e-3
+    overshoot = profile.get("emulation_overshoot_ms", {})
     if storage in EMULATED:
-        scale = float(profile["emulation_scale"]) if scale is None else float(scale)
-        return make_profile(storage, settings, payload, scale), None, overhead
+        over = overshoot.get(storage, {}).get("mean_ms", 0.0) if isinstance(overshoot, dict) else 0.0
+        return make_profile(storage, settings, payload), None, float(over) * 1e-3
     if storage == "nvme_cold":
         phys = profile.get("physical_model")
         if not phys:
@@ -128,7 +127,7 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
     for _key, run in tqdm(sorted(record["runs"].items()), desc="simulator validation", disable=None):
         m = run["row"]
         seqs = sequences_from_record(run["events"], n_layers)
-        storage, fixed, overhead = local_storage(profile, m["storage"], settings, record.get("emulation_scale"))
+        storage, fixed, overhead = local_storage(profile, m["storage"], settings)
         cpu = profile.get("transfer_cpu_ms", {})
         cpu_ms = cpu.get("nvme_cold" if m["storage"] == "nvme_cold" else "ram", 0.0)  # emulated: page-cache reads
         compute = ComputeProfile.from_profile(profile, bool(m["compute_opt"]), overhead, cpu_ms * 1e-3)
@@ -188,7 +187,7 @@ def simulate_platform(platform: str, model: str, arch: str, trace_readers: Seque
             if cfg.storage == "nvme_cold":
                 storage = nvme_profile(p, bw)
             elif cfg.storage in EMULATED:
-                storage = make_profile(cfg.storage, {**settings, "charge": "paper", "paper_expert_mb": p["expert_mb"]})
+                storage = make_profile(cfg.storage, settings, int(p["expert_mb"] * 1e6))
             else:
                 continue  # no RAM-offload figure for the phone
             if cfg.signature not in results:
@@ -204,7 +203,7 @@ def simulate_platform(platform: str, model: str, arch: str, trace_readers: Seque
                          "stall_ms": st.stall_ms, "source": "simulated", "inflight": st.inflight,
                          "cancelled": st.cancelled, "demand_loads": st.demand_loads, "io_errors": 0,
                          "peak_cache_experts": st.peak_cache_experts, "capacity_experts": capacity,
-                         "charge": "paper"})
+                         "record_bytes": int(p["expert_mb"] * 1e6), "expert_format": "int4"})
     return rows, {"platform": platform, "nvme_bandwidth_mbps": bw, "capacity": capacity, "m_max": m_max,
                   "n_sequences": len(base), "n_traces": len(trace_readers), "compute": compute.__dict__}
 

@@ -128,13 +128,24 @@ class _SimIO:
         self._seq = itertools.count()
         self.charge_delays = True  # cleared during prefill steps, as the runtime does
 
-    def _end_of(self, start: float, charged: bool = True) -> float:
+    def _end_of(self, start: float, charged: bool = True, demand: bool = False) -> float:
         if self.model is not None:
-            return (self.model.schedule(start) if charged else start) + self.overhead_s
+            return (self.model.schedule(start, demand=demand) if charged else start) + self.overhead_s
         return start + (self.fixed_s or 0.0) + self.overhead_s
 
+    def _demand_outstanding(self) -> bool:
+        return any(tr.cls == DEMAND for tr in self.active.values())
+
+    def _wake(self, t: float) -> None:
+        """Workers idle while a demand load was outstanding take the queued prefetches."""
+        if self._demand_outstanding():
+            return
+        while self.sleeping and any(p.cls == PREFETCH and p.t_submit <= t for p in self.pending):
+            self._start(self.sleeping.pop(0), t)
+
     def _start(self, worker: int, t: float) -> None:
-        ready = [p for p in self.pending if p.t_submit <= t and p.cls == PREFETCH]
+        ready = [] if self._demand_outstanding() else [p for p in self.pending
+                                                       if p.t_submit <= t and p.cls == PREFETCH]
         if not ready:
             self.sleeping.append(worker)
             return
@@ -163,6 +174,8 @@ class _SimIO:
             self.cache.demote(tr.key)
         self.now = max(self.now, t)
         self._start(worker, t)
+        if tr.cls == DEMAND:
+            self._wake(t)
         return t
 
     def advance(self, until: float) -> None:
@@ -178,11 +191,12 @@ class _SimIO:
             return None
         self.pending.remove(tr)
         tr.state, tr.t_start = "running", t
-        tr.t_end = self._end_of(t, tr.charged)
+        tr.t_end = self._end_of(t, tr.charged, demand=True)
         self.advance(tr.t_end)
         tr.state = "done"
         del self.active[tr.key]
         self.cache.fill(tr.key)
+        self._wake(tr.t_end)
         return tr.t_end
 
     def wait_for(self, key: Key, t: float) -> float:

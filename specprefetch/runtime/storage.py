@@ -1,48 +1,53 @@
-"""Storage profiles: where a missing expert is read from, and how long the read is made to take.
+"""Storage profiles: where a missing expert is read from, and how long the read takes.
 
 Profiles (the ``storage`` column of ``runs.csv``):
 
-- ``nvme_cold``: the physical local disk with a cold page cache. Before every run the store's pages are evicted
-  (``posix_fadvise(POSIX_FADV_DONTNEED)``) and, by default, each record's pages again right after it is read,
-  so every load is a real device read (the phone setting, where RAM is too small to cache the experts).
+- ``nvme_cold``: the physical local disk, cold. Reads bypass the page cache (``O_DIRECT`` into page-aligned
+  buffers, so every load is a real device read: the phone setting, where RAM is too small to cache the experts).
+  Where the file system refuses ``O_DIRECT`` (tmpfs, some overlays) the reader falls back, with a logged warning,
+  to ``POSIX_FADV_RANDOM`` reads whose pages are evicted (``POSIX_FADV_DONTNEED``) before the run and after each
+  read; the mode used is recorded (``cold_read_mode``).
 - ``ram``: the experts mirrored in host memory (pinned on CUDA): a load is a memory copy (the classic
-  CPU-offload setting). No delay is added.
-- emulated ``nvme``, ``ufs``, ``slow_ufs``, ``sdcard``: the record is read from the store file (page cache) and
-  the load is held back until the time a device with that bandwidth and per-request latency would need
-  (:class:`BandwidthModel`), as the paper emulates slower storage by controlled loading delays.
+  CPU-offload setting).
+- emulated ``nvme``, ``ufs``, ``slow_ufs``, ``sdcard``: a device of the given sequential-read bandwidth and
+  per-request latency (:class:`BandwidthModel`), as the paper emulates slower storage by controlled loading delays
+  per load. The load reads the real bytes it delivers (from the page cache: the CPU and memory traffic of a read)
+  and completes when the device model says: it sleeps, then yields the CPU (``sched_yield``) for the last
+  ``SPIN_S`` so that it is on time (the overshoot is measured by ``profile-window`` and reported).
 
-Defaults (QD1 random reads of ~2 MB records; datasheet-level numbers of phone-class devices):
+Emulated devices (defaults of ``device.storage_profiles``; sequential read from the vendors' datasheets, the
+latency an estimate of one QD1 request of an expert-sized read):
 
-==========  ===============  ==========  ======================================
-profile     bandwidth MB/s   latency ms  device it stands for
-==========  ===============  ==========  ======================================
-nvme        3500             0.08        PCIe 4 NVMe / UFS 4.0
-ufs         1700             0.15        UFS 3.1
-slow_ufs    750              0.30        UFS 2.1
-sdcard      90               1.00        UHS-I A2 microSD
-==========  ===============  ==========  ======================================
+==========  ===============  ==========  ================================================================
+profile     bandwidth MB/s   latency ms  device (datasheet sequential read)
+==========  ===============  ==========  ================================================================
+nvme        4200             0.08        UFS 4.0 (Samsung, "up to 4,200 MB/s"), PCIe 4 NVMe class
+ufs         2100             0.12        UFS 3.1 (Samsung, "up to 2,100 MB/s")
+slow_ufs    850              0.20        UFS 2.1 (Samsung, "up to 850 MB/s")
+sdcard      90               1.00        microSD UHS-I (bus limit 104 MB/s; A2 cards ~90 MB/s)
+==========  ===============  ==========  ================================================================
 
-A load's emulated time is ``scale * (latency + charged_bytes / bandwidth)``. ``charged_bytes`` is the real record
-payload (``charge: real``), the paper's 4-bit DeepSeek-VL2-Tiny expert, 1.94 MB (``charge: paper``), or
-``paper`` with ``scale`` calibrated so that the profiled compute window over one emulated-NVMe transfer equals
-the paper's budget ratio (``charge: calibrated``): the tiny stand-ins compute ~20x faster per layer than the
-phone, so this keeps the window-to-transfer ratio, the quantity prefetching depends on, in the paper's regime
-while the other profiles keep their speed relative to NVMe.
+A load's time is ``latency + payload_bytes / bandwidth`` with the store's real payload: nothing is scaled to a
+target ratio, so the window-to-transfer ratio that decides prefetching is the measured one.
+
+Demand loads go first at the device: a demand load issued while prefetches wait for the device's bandwidth is
+served before every prefetch whose data phase has not started (those move back); a data phase already under way
+is not interrupted.
 
 Loads issued during prefill (a step of several tokens) are not held back: the benchmarks measure decoding
-throughput, which excludes prefill, so charging the emulated delay there would only lengthen every run (an SD-card
-run's prefill took longer than its decoding). The runtime and the simulator both start charging at the first
-decoding step; ``nvme_cold`` reads are physical throughout.
+throughput, which excludes prefill. The runtime and the simulator both start charging at the first decoding
+step; ``nvme_cold`` reads are physical throughout.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +58,8 @@ from specprefetch.runtime.store import ExpertStore
 
 log = logging.getLogger(__name__)
 
+SPIN_S = 0.2e-3  # an emulated load sleeps until this long before its completion (> the ~60 µs sleep overshoot),
+#                 then yields the CPU (sched_yield, GIL released) until it: measured overshoot ~2 µs
 
 
 class StorageError(SpecPrefetchError):
@@ -67,9 +74,8 @@ class StorageProfile:
     kind: str
     bandwidth_mbps: float = 0.0
     latency_ms: float = 0.0
-    charged_bytes: float = 0.0   # bytes each expert load is charged as (emulated profiles)
-    scale: float = 1.0           # time scale of the emulation (calibrated charge)
-    cold_each_read: bool = True  # nvme_cold: evict a record's pages right after reading it
+    charged_bytes: float = 0.0   # bytes each expert load moves (the store's payload)
+    cold_each_read: bool = True  # nvme_cold fallback: evict a record's pages right after reading it
 
     @property
     def emulated(self) -> bool:
@@ -80,17 +86,16 @@ class StorageProfile:
         if not self.emulated:
             return 0.0
         b = self.charged_bytes if nbytes is None else nbytes
-        return self.scale * (self.latency_ms * 1e-3 + b / (self.bandwidth_mbps * 1e6))
+        return self.latency_ms * 1e-3 + b / (self.bandwidth_mbps * 1e6)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "bandwidth_mbps": self.bandwidth_mbps,
-                "latency_ms": self.latency_ms, "charged_bytes": self.charged_bytes, "scale": self.scale,
+                "latency_ms": self.latency_ms, "charged_bytes": self.charged_bytes,
                 "transfer_ms": self.transfer_s() * 1e3}
 
 
-def make_profile(name: str, device_cfg: dict[str, Any], payload_bytes: int = 0,
-                 scale: float = 1.0) -> StorageProfile:
-    """The profile ``name`` with the resolved ``device`` section's numbers (``storage_profiles``) and charge mode."""
+def make_profile(name: str, device_cfg: dict[str, Any], payload_bytes: int = 0) -> StorageProfile:
+    """The profile ``name`` with the resolved ``device`` section's numbers (``storage_profiles``)."""
     cfg = device_cfg
     if name not in STORAGES:
         raise StorageError(f"unknown storage profile {name!r}; known: {', '.join(STORAGES)}")
@@ -103,42 +108,80 @@ def make_profile(name: str, device_cfg: dict[str, Any], payload_bytes: int = 0,
     if bw <= 0 or lat < 0:
         raise StorageError(f"invalid config key 'device.storage_profiles.{name}': bandwidth_mbps must be > 0 "
                            f"and latency_ms >= 0 (got {bw}, {lat})")
-    charge = cfg["charge"]
-    if charge == "real":
-        charged = float(payload_bytes)
-    elif charge in ("paper", "calibrated"):
-        charged = float(cfg["paper_expert_mb"]) * 1e6
-    else:
-        raise StorageError(f"invalid config key 'device.charge': {charge!r} (real, paper or calibrated)")
-    return StorageProfile(name, "emulated", bw, lat, charged, scale if charge == "calibrated" else 1.0)
+    return StorageProfile(name, "emulated", bw, lat, float(payload_bytes))
 
 
+@dataclass(eq=False)
+class Reservation:
+    """One request at the modelled device: its data phase ``[start, end)``, done ``latency`` after ``end``."""
+
+    submit: float
+    data_s: float
+    demand: bool
+    start: float = 0.0
+    end: float = 0.0
+    latency_s: float = 0.0
+
+    @property
+    def done_at(self) -> float:
+        return self.end + self.latency_s
+
+
+@dataclass
 class BandwidthModel:
     """A storage device as the emulation and the simulator see it.
 
-    Requests are served in the order they reach the device; each occupies the shared bandwidth for
-    ``bytes / bandwidth`` and completes ``latency`` after its data phase (latency is pipelined, so concurrent
-    requests overlap their latencies but not their data). Isolated request: ``latency + bytes / bandwidth``.
+    Each request occupies the shared bandwidth for ``bytes / bandwidth`` (its data phase) and completes
+    ``latency`` after it (latency is pipelined, so concurrent requests overlap their latencies but not their
+    data). Data phases are served in order of arrival, except that a demand request goes before every prefetch
+    whose data phase has not started (they move back; see the module docstring). Isolated request:
+    ``latency + bytes / bandwidth``.
     """
 
-    def __init__(self, profile: StorageProfile) -> None:
-        self.profile = profile
-        self.lock = threading.Lock()
-        self.free_at = 0.0
+    profile: StorageProfile
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    queue: list[Reservation] = field(default_factory=list)  # data phase not yet over, in service order
 
     def reset(self) -> None:
         with self.lock:
-            self.free_at = 0.0
+            self.queue = []
 
-    def schedule(self, now: float, nbytes: float | None = None) -> float:
-        """Reserve the device for one request issued at ``now``; return its completion time."""
+    def reserve(self, now: float, nbytes: float | None = None, demand: bool = False) -> Reservation:
+        """Queue one request issued at ``now``; its (current) times are in the returned reservation."""
         p = self.profile
         b = p.charged_bytes if nbytes is None else nbytes
-        data = p.scale * b / (p.bandwidth_mbps * 1e6)
+        r = Reservation(now, b / (p.bandwidth_mbps * 1e6), demand, latency_s=p.latency_ms * 1e-3)
         with self.lock:
-            start = max(now, self.free_at)
-            self.free_at = start + data
-            return self.free_at + p.scale * p.latency_ms * 1e-3
+            self.queue = [q for q in self.queue if q.end > now]
+            at = len(self.queue)
+            if demand:  # before the first prefetch not yet transferring
+                at = next((i for i, q in enumerate(self.queue) if not q.demand and q.start > now), at)
+            self.queue.insert(at, r)
+            t = self.queue[at - 1].end if at else now  # service order: the ones before ``at`` keep their times
+            for q in self.queue[at:]:
+                q.start = max(t, q.submit)
+                q.end = q.start + q.data_s
+                t = q.end
+        return r
+
+    def schedule(self, now: float, nbytes: float | None = None, demand: bool = False) -> float:
+        """Reserve the device for one request issued at ``now``; return its completion time as of now."""
+        return self.reserve(now, nbytes, demand).done_at
+
+    def done_at(self, r: Reservation) -> float:
+        with self.lock:
+            return r.done_at
+
+    def wait(self, r: Reservation) -> None:
+        """Block until ``r`` completes (its time may move later while a demand load goes first)."""
+        while True:
+            remaining = self.done_at(r) - time.perf_counter()
+            if remaining <= 0:
+                return
+            if remaining > SPIN_S:
+                time.sleep(remaining - SPIN_S)
+            else:
+                os.sched_yield()  # releases the GIL; time.sleep(0) would overshoot by the timer slack (~50 µs)
 
 
 class FaultInjector:
@@ -177,11 +220,41 @@ class ExpertReader:
         self.fds = [os.open(f, os.O_RDONLY) for f in store.files]
         self.mirror: torch.Tensor | None = None
         self.mirror_views: list[list[memoryview]] | None = None
-        self.cold_each_read = profile.kind == "physical" and profile.cold_each_read
+        self.cold_read_mode = ""
+        self.direct_fds: list[int] = []
+        if profile.kind == "physical":
+            self.cold_read_mode = self._open_direct()
+        self.cold_each_read = self.cold_read_mode == "fadvise" and profile.cold_each_read
         if profile.kind == "ram":
             self.mirror = self._load_mirror(pin_memory)
             self.mirror_views = [[memoryview(self.mirror[l, e].numpy()).cast("B") for e in range(store.n_experts)]
                                  for l in range(store.n_layers)]
+
+    def _open_direct(self) -> str:
+        """'direct' when every store file opens with O_DIRECT and an aligned read succeeds, else 'fadvise'."""
+        flag = getattr(os, "O_DIRECT", 0)
+        fds: list[int] = []
+        try:
+            if not flag:
+                raise OSError("O_DIRECT is not available on this platform")
+            for f in self.store.files:
+                fds.append(os.open(f, os.O_RDONLY | flag))
+            probe = mmap.mmap(-1, self.store.record_bytes)  # page-aligned
+            try:
+                if os.preadv(fds[0], [probe], 0) != self.store.record_bytes:
+                    raise OSError("short O_DIRECT read")
+            finally:
+                probe.close()
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            log.warning("nvme_cold: O_DIRECT refused on %s (%s); falling back to page-cache eviction "
+                        "(POSIX_FADV_DONTNEED) around every read", self.store.root, exc)
+            for fd in self.fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            return "fadvise"
+        self.direct_fds = fds
+        return "direct"
 
     def _load_mirror(self, pin: bool) -> torch.Tensor:
         rb = self.store.record_bytes
@@ -196,19 +269,20 @@ class ExpertReader:
         return t
 
     def close(self) -> None:
-        for fd in self.fds:
+        for fd in [*self.fds, *self.direct_fds]:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        self.fds = []
+        self.fds, self.direct_fds = [], []
 
     def __del__(self) -> None:  # pragma: no cover - best effort
         self.close()
 
     def prepare_run(self) -> None:
-        """Start of a run: cold profile evicts the store's pages; emulated device becomes idle with the store in
-        the page cache (so the modelled delay, not a physical read, sets the time of every emulated load)."""
+        """Start of a run: the cold profile evicts the store's pages (O_DIRECT reads bypass them anyway); the
+        emulated device becomes idle with the store in the page cache (so the device model, not a physical read,
+        sets the time of every emulated load)."""
         if self.profile.kind == "physical":
             self.evict_all()
         if self.model is not None:
@@ -248,11 +322,11 @@ class ExpertReader:
         return None if self.mirror is None else self.mirror[layer, expert]
 
     def read(self, layer: int, expert: int, dest: torch.Tensor, view: memoryview | None = None,
-             charged: bool = True) -> None:
+             charged: bool = True, demand: bool = False) -> None:
         """Fill ``dest`` (uint8 host tensor of record_bytes; ``view``: its bytes, if the caller has them) with
-        the record; blocks for the emulated time (unless not ``charged``: a prefill load, which is not measured)."""
-        t0 = time.perf_counter()
-        finish = self.model.schedule(t0) if self.model is not None and charged else 0.0
+        the record; an emulated load blocks until its device completes it (unless not ``charged``: a prefill
+        load, which is not measured); ``demand``: the executing layer waits for it (it goes first at the device)."""
+        res = self.model.reserve(time.perf_counter(), demand=demand) if self.model is not None and charged else None
         if self.faults is not None:
             self.faults.check(layer, expert)
         rb = self.store.record_bytes
@@ -262,23 +336,28 @@ class ExpertReader:
             view[:] = self.mirror_views[layer][expert]
         else:
             off = expert * rb
-            got = os.preadv(self.fds[layer], [view], off)
+            direct = bool(self.direct_fds) and dest.data_ptr() % self.store.layout.alignment == 0
+            fd = self.direct_fds[layer] if direct else self.fds[layer]
+            got = os.preadv(fd, [view], off)
             if got != rb:
                 raise OSError(5, f"{self.store.files[layer]}: short read of expert {expert} ({got}/{rb} bytes)")
-            if self.cold_each_read:
+            if self.cold_each_read or (self.cold_read_mode == "direct" and not direct):
                 os.posix_fadvise(self.fds[layer], off, rb, os.POSIX_FADV_DONTNEED)
         if self.verify:
             self.store.check_record(layer, expert, view)
-        if finish:
-            remaining = finish - time.perf_counter()
-            if remaining > 0:
-                time.sleep(remaining)
+        if res is not None:
+            self.model.wait(res)
+
+
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A page-aligned uint8 host tensor (an O_DIRECT read can land in it)."""
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
 def measure_transfer_ms(reader: ExpertReader, n: int = 64, seed: int = 0) -> list[float]:
     """Isolated (one at a time) load times of ``n`` random experts under the reader's profile, in ms."""
     rng = random.Random(seed)
-    buf = torch.empty(reader.store.record_bytes, dtype=torch.uint8)
+    buf = aligned_buffer(reader.store.record_bytes)
     reader.prepare_run()
     out = []
     for _ in range(n):
@@ -289,6 +368,6 @@ def measure_transfer_ms(reader: ExpertReader, n: int = 64, seed: int = 0) -> lis
         if reader.model is not None:
             reader.model.reset()
         t0 = time.perf_counter()
-        reader.read(layer, expert, buf)
+        reader.read(layer, expert, buf, demand=True)
         out.append((time.perf_counter() - t0) * 1e3)
     return out

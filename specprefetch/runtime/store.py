@@ -1,13 +1,15 @@
 """The expert store: routed experts on disk, one contiguous aligned record per expert, so one expert is one read.
 
-Layout of a store directory (format ``specprefetch-expert-store/1``):
+Layout of a store directory (format ``specprefetch-expert-store/2``):
 
 - ``layer-000.bin`` ... one file per MoE layer ordinal; expert ``e`` of that layer is the record at byte
-  offset ``e * record_bytes``. A record holds ``gate_up_proj[e]`` (``[2I, H]``) at offset 0 and
-  ``down_proj[e]`` (``[H, I]``) at ``down_offset``, both C-contiguous in the model's dtype, zero-padded so
-  every record starts on an ``alignment`` boundary (4096: a page, and what O_DIRECT needs).
-- ``manifest.json`` (written last): shapes, dtype, record layout, and per file its size and sha256 plus the
-  sha256 of every record (a load can be verified without reading the whole file).
+  offset ``e * record_bytes``. A record holds the expert's tensors (:class:`RecordLayout`): ``gate_up [2I, H]`` and
+  ``down [H, I]`` in a float dtype, or both in 4 bits with their scales (:mod:`.quant`), each part on a
+  cache-line boundary, zero-padded so every record starts on an ``alignment`` boundary (4096: a page, and what
+  O_DIRECT needs).
+- ``manifest.json`` (written last): shapes, dtype, quantization, the record's parts, the paper-scale widening
+  (:mod:`.paper_scale`) if any, and per file its size and sha256 plus the sha256 of every record (a load can be
+  verified without reading the whole file).
 
 Only routed experts live here; attention, embeddings, dense layers and shared experts stay resident in the
 model. Experts are found through the model's routers (:func:`find_moe_blocks`): the experts module is the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
@@ -79,10 +83,15 @@ def find_moe_blocks(model: nn.Module, spec: Any | None = None) -> list[MoEBlock]
         experts = getattr(block, "experts", None)
         if block is None or experts is None:
             raise StoreError(f"MoE layer {layer}: the gate {type(gate).__name__} has no sibling `experts` module")
-        if not getattr(experts, "is_offloaded", False):
+        if not _served(experts):
             check_fused_experts(experts, f"MoE layer {layer} ({type(experts).__name__})")
         blocks.append(MoEBlock(i, int(layer), block, gate, experts))
     return blocks
+
+
+def _served(experts: nn.Module) -> bool:
+    """Experts served by the runtime or computed from a store's records (not a fused experts module)."""
+    return bool(getattr(experts, "is_offloaded", False) or getattr(experts, "from_store", False))
 
 
 def check_fused_experts(experts: nn.Module, where: str) -> tuple[int, int, int]:
@@ -108,52 +117,181 @@ def _align(n: int, a: int) -> int:
 
 
 @dataclass(frozen=True)
+class Part:
+    """One tensor inside a record: byte offset, size, shape and dtype."""
+
+    name: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class RecordLayout:
-    """Byte layout of one expert record (identical for every expert of a store)."""
+    """Byte layout of one expert record (identical for every expert of a store), and the expert's computation.
+
+    ``quant`` ``none``: ``gate_up [2I, H]`` and ``down [H, I]`` in ``dtype``. ``int4``: the two matrices in aten's
+    packed 4-bit form plus their bf16 scales (:mod:`.quant`); ``dtype`` is then bf16, the kernel's activation dtype.
+    ``hidden``/``intermediate`` are the stored widths; ``model_hidden`` (0: ``hidden``) is the model's, when the
+    stored experts are wider than the model's (the paper-scale store, :mod:`.paper_scale`): inputs are
+    zero-padded to ``hidden`` and outputs cut back to ``model_hidden``.
+    """
 
     hidden: int
     intermediate: int
     dtype: torch.dtype
     alignment: int = ALIGNMENT
+    quant: str = "none"
+    group_size: int = 0
+    model_hidden: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.hidden, self.intermediate, self.alignment) < 1 or self.model_hidden < 0 or self.group_size < 0:
+            raise StoreError(f"record layout: widths ({self.hidden}, {self.intermediate}), alignment "
+                             f"{self.alignment} and group size {self.group_size} must be positive")
+        if self.quant not in ("none", "int4"):
+            raise StoreError(f"unknown expert quantization {self.quant!r} (none or int4)")
+        if self.quant == "int4" and (self.group_size <= 0 or self.hidden % self.group_size
+                                     or self.intermediate % self.group_size):
+            raise StoreError(f"int4 experts need widths ({self.hidden}, {self.intermediate}) that are multiples of "
+                             f"the group size {self.group_size}")
+        if self.model_hidden > self.hidden:
+            raise StoreError(f"stored hidden width {self.hidden} < the model's {self.model_hidden}")
 
     @cached_property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
+    @property
+    def padded(self) -> bool:
+        return bool(self.model_hidden) and self.model_hidden != self.hidden
+
+    @cached_property
+    def parts(self) -> tuple[Part, ...]:
+        h, i = self.hidden, self.intermediate
+        if self.quant == "none":
+            shapes = [("gate_up", (2 * i, h), self.dtype), ("down", (h, i), self.dtype)]
+        else:
+            from specprefetch.runtime.quant import scales_shape
+
+            g = self.group_size
+            shapes = [("gate_up", (2 * i, h // 2), torch.uint8), ("gate_up_scales", scales_shape(2 * i, h, g),
+                                                                  torch.bfloat16),
+                      ("down", (h, i // 2), torch.uint8), ("down_scales", scales_shape(h, i, g), torch.bfloat16)]
+        out, off = [], 0
+        for name, shape, dt in shapes:
+            n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            out.append(Part(name, off, n, tuple(shape), dt))
+            off = _align(off + n, SUB_ALIGNMENT)
+        return tuple(out)
+
     @cached_property
     def gate_up_bytes(self) -> int:
-        return 2 * self.intermediate * self.hidden * self.itemsize
+        return self.parts[0].nbytes
 
     @cached_property
     def down_offset(self) -> int:
-        return _align(self.gate_up_bytes, SUB_ALIGNMENT)
+        return next(p.offset for p in self.parts if p.name == "down")
 
     @cached_property
     def down_bytes(self) -> int:
-        return self.hidden * self.intermediate * self.itemsize
+        return next(p.nbytes for p in self.parts if p.name == "down")
 
     @cached_property
     def payload_bytes(self) -> int:
-        """Bytes of weights per expert (what a transfer must move)."""
-        return self.gate_up_bytes + self.down_bytes
+        """Bytes of weights (and scales) per expert: what a transfer must move."""
+        return sum(p.nbytes for p in self.parts)
 
     @cached_property
     def record_bytes(self) -> int:
-        return _align(self.down_offset + self.down_bytes, self.alignment)
+        last = self.parts[-1]
+        return _align(last.offset + last.nbytes, self.alignment)
 
-    def views(self, record: Tensor) -> tuple[Tensor, Tensor]:
-        """(gate_up [2I, H], down [H, I]) views into a uint8 record buffer (no copy)."""
-        gu = record[: self.gate_up_bytes].view(self.dtype).view(2 * self.intermediate, self.hidden)
-        dn = record[self.down_offset: self.down_offset + self.down_bytes].view(self.dtype)
-        return gu, dn.view(self.hidden, self.intermediate)
+    @cached_property
+    def flops_per_token(self) -> int:
+        """Multiply-adds x 2 of one expert for one token (the stored, i.e. real, shapes)."""
+        return 2 * 3 * self.hidden * self.intermediate
+
+    def views(self, record: Tensor) -> tuple[Tensor, ...]:
+        """The record's tensors (``parts`` order) as views into a uint8 record buffer (no copy)."""
+        return tuple(record[p.offset: p.offset + p.nbytes].view(p.dtype).view(p.shape) for p in self.parts)
 
     def pack(self, gate_up: Tensor, down: Tensor) -> bytes:
-        """One record's bytes (zero padded) for an expert's two weight matrices."""
+        """One record's bytes (zero padded) for an expert's two weight matrices ([2I, H] and [H, I], any float)."""
+        if tuple(gate_up.shape) != (2 * self.intermediate, self.hidden) \
+                or tuple(down.shape) != (self.hidden, self.intermediate):
+            raise StoreError(f"expert weights {tuple(gate_up.shape)}, {tuple(down.shape)} do not fit the record "
+                             f"layout ({2 * self.intermediate}, {self.hidden}) / ({self.hidden}, {self.intermediate})")
         buf = torch.zeros(self.record_bytes, dtype=torch.uint8)
-        gu, dn = self.views(buf)
-        gu.copy_(gate_up.detach().to("cpu", self.dtype))
-        dn.copy_(down.detach().to("cpu", self.dtype))
+        views = self.views(buf)
+        if self.quant == "none":
+            tensors: tuple[Tensor, ...] = (gate_up.detach().to("cpu", self.dtype), down.detach().to("cpu", self.dtype))
+        else:
+            from specprefetch.runtime import quant
+
+            gq, gs = quant.quantize(gate_up.detach().cpu(), self.group_size)
+            dq, ds = quant.quantize(down.detach().cpu(), self.group_size)
+            tensors = (quant.pack(gq), gs, quant.pack(dq), ds)
+        for v, t in zip(views, tensors, strict=True):
+            v.copy_(t)
         return buf.numpy().tobytes()
+
+    def mlp(self, weights: tuple[Tensor, ...], x: Tensor, act_fn: Any) -> Tensor:
+        """One expert's SwiGLU MLP on rows ``x [n, model_hidden]`` (same op order as transformers' eager loop for
+        an unpadded dense record, so the result is bit-identical to it)."""
+        if self.padded or x.dtype != self.dtype and self.quant == "none":
+            xi = F.pad(x.to(self.dtype), (0, self.hidden - x.shape[-1]))
+        else:
+            xi = x
+        if self.quant == "none":
+            gu, dn = weights
+            gate, up = F.linear(xi, gu).chunk(2, dim=-1)
+            y = F.linear(act_fn(gate) * up, dn)
+        else:
+            from specprefetch.runtime import quant
+
+            gu, gs, dn, ds = weights
+            gate, up = quant.linear(xi, gu, gs, self.group_size).chunk(2, dim=-1)
+            y = quant.linear(act_fn(gate) * up, dn, ds, self.group_size)
+        if self.padded:
+            y = y[..., : self.model_hidden]
+        return y.to(x.dtype)
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest's description of the layout (what :func:`layout_from_manifest` reads back)."""
+        out: dict[str, Any] = {
+            "hidden_size": self.hidden, "intermediate_size": self.intermediate,
+            "dtype": str(self.dtype).removeprefix("torch."), "alignment": self.alignment,
+            "record_bytes": self.record_bytes, "payload_bytes": self.payload_bytes, "quant": self.quant,
+            "model_hidden_size": self.model_hidden or self.hidden,
+            "parts": {p.name: {"offset": p.offset, "shape": list(p.shape), "bytes": p.nbytes,
+                               "dtype": str(p.dtype).removeprefix("torch.")} for p in self.parts},
+        }
+        if self.quant == "int4":
+            from specprefetch.runtime.quant import PACKING
+
+            out.update(group_size=self.group_size, packing=PACKING, packed_by_torch=torch.__version__)
+        return out
+
+
+def layout_from_manifest(m: dict[str, Any], where: str) -> RecordLayout:
+    """The record layout a manifest describes; an int4 store packed by another torch version is refused."""
+    quant = str(m.get("quant", "none"))
+    if quant == "int4":
+        from specprefetch.runtime.quant import PACKING, check_int4_available
+
+        check_int4_available()
+        if m.get("packing") != PACKING or m.get("packed_by_torch") != torch.__version__:
+            raise StoreError(f"{where}: int4 experts packed as {m.get('packing')!r} by torch "
+                             f"{m.get('packed_by_torch')!r}; this is torch {torch.__version__} ({PACKING}): "
+                             "rebuild the store (build-expert-store)")
+    layout = RecordLayout(int(m["hidden_size"]), int(m["intermediate_size"]), _dtype_from_name(m["dtype"], where),
+                          int(m["alignment"]), quant, int(m.get("group_size", 0)),
+                          int(m.get("model_hidden_size", m["hidden_size"])))
+    if m.get("parts") is not None and m["parts"] != layout.describe()["parts"]:
+        raise StoreError(f"{where}: the record parts it lists do not match its shapes (corrupt manifest)")
+    return layout
 
 
 def _dtype_from_name(name: str, where: str) -> torch.dtype:
@@ -166,18 +304,26 @@ def _dtype_from_name(name: str, where: str) -> torch.dtype:
 # ------------------------------------------------------------------------------------------ writer
 def build_expert_store(model: nn.Module, out_dir: str | os.PathLike, spec: Any | None = None,
                        dtype: torch.dtype | None = None, model_name: str = "",
-                       config_fragment: Any = None) -> Path:
+                       config_fragment: Any = None, scale: Any = None) -> Path:
     """Write the routed experts of ``model`` into an expert store at ``out_dir`` (atomically) and return it.
 
-    Every file is fsync'ed so that evicting its pages from the page cache (posix_fadvise DONTNEED, the cold
-    storage profile) really forces the next read to go to the device.
+    ``scale`` (a :class:`~specprefetch.runtime.paper_scale.ExpertScale`): every expert widened to the real model's
+    shape and stored in its format (the paper-scale store); else the model's own experts in ``dtype``.
+    Every file is fsync'ed so that a cold read (O_DIRECT, or the page cache evicted) really reaches the device.
     """
     blocks = find_moe_blocks(model, spec)
     if not blocks:
         raise StoreError("model has no MoE layers")
     n, h, i = check_fused_experts(blocks[0].experts, "MoE layer ordinal 0")
-    dtype = dtype or blocks[0].experts.gate_up_proj.dtype
-    layout = RecordLayout(h, i, dtype)
+    if scale is not None:
+        scale.check_fits(h, i, "MoE layer ordinal 0")
+        layout = scale.layout(h)
+        if layout.quant == "int4":
+            from specprefetch.runtime.quant import check_int4_available
+
+            check_int4_available()
+    else:
+        layout = RecordLayout(h, i, dtype or blocks[0].experts.gate_up_proj.dtype)
     out_dir = Path(out_dir)
     with atomic_path(out_dir, is_dir=True) as tmp:
         layers_meta = []
@@ -185,45 +331,41 @@ def build_expert_store(model: nn.Module, out_dir: str | os.PathLike, spec: Any |
             shape = check_fused_experts(b.experts, f"MoE layer {b.model_layer}")
             if shape != (n, h, i):
                 raise StoreError(f"MoE layer {b.model_layer}: experts {shape} differ from layer 0's {(n, h, i)}")
-            layers_meta.append(_write_layer(tmp, b, layout))
+            gu, dn = b.experts.gate_up_proj, b.experts.down_proj
+            recs = (scale.records(gu, dn, layout, b.ordinal) if scale is not None
+                    else [layout.pack(gu[e], dn[e]) for e in range(n)])
+            layers_meta.append(_write_layer(tmp, b, recs))
         manifest = {
             "format": STORE_FORMAT,
             "model": model_name,
             "n_layers": len(blocks),
             "n_experts": n,
-            "hidden_size": h,
-            "intermediate_size": i,
-            "dtype": str(dtype).removeprefix("torch."),
-            "alignment": layout.alignment,
-            "record_bytes": layout.record_bytes,
-            "payload_bytes": layout.payload_bytes,
-            "gate_up": {"offset": 0, "shape": [2 * i, h], "bytes": layout.gate_up_bytes},
-            "down": {"offset": layout.down_offset, "shape": [h, i], "bytes": layout.down_bytes},
+            **layout.describe(),
+            "model_intermediate_size": i,
+            "paper_scale": scale.describe() if scale is not None else None,
             "moe_layers": [b.model_layer for b in blocks],
             "layers": layers_meta,
             "provenance": provenance(config_fragment),
         }
         write_json_atomic(tmp / MANIFEST, manifest)
-    log.info("expert store %s: %d layers x %d experts, %d B per record", out_dir, len(blocks), n,
-             layout.record_bytes)
+    log.info("expert store %s: %d layers x %d experts, %d B per record (%s)", out_dir, len(blocks), n,
+             layout.record_bytes, "paper scale" if scale is not None else "the model's own experts")
     return out_dir
 
 
-def _write_layer(out: Path, block: MoEBlock, layout: RecordLayout) -> dict[str, Any]:
+def _write_layer(out: Path, block: MoEBlock, records: list[bytes]) -> dict[str, Any]:
     name = f"layer-{block.ordinal:03d}.bin"
-    gu, dn = block.experts.gate_up_proj, block.experts.down_proj
     file_hash = hashlib.sha256()
-    records = []
+    digests = []
     with open(out / name, "wb") as f:
-        for e in range(gu.shape[0]):
-            rec = layout.pack(gu[e], dn[e])
+        for rec in records:
             f.write(rec)
             file_hash.update(rec)
-            records.append(hashlib.sha256(rec).hexdigest())
+            digests.append(hashlib.sha256(rec).hexdigest())
         f.flush()
         os.fsync(f.fileno())
     return {"file": name, "ordinal": block.ordinal, "model_layer": block.model_layer,
-            "bytes": layout.record_bytes * gu.shape[0], "sha256": file_hash.hexdigest(), "records": records}
+            "bytes": sum(len(r) for r in records), "sha256": file_hash.hexdigest(), "records": digests}
 
 
 # ------------------------------------------------------------------------------------------ reader
@@ -238,15 +380,14 @@ class ExpertStore:
         self.manifest: dict[str, Any] = read_doc(path, STORE_FORMAT, "expert-store manifest")
         m = self.manifest
         try:
-            self.layout = RecordLayout(int(m["hidden_size"]), int(m["intermediate_size"]),
-                                       _dtype_from_name(m["dtype"], str(path)), int(m["alignment"]))
+            self.layout = layout_from_manifest(m, str(path))
             self.n_layers = int(m["n_layers"])
             self.n_experts = int(m["n_experts"])
             record_bytes = int(m["record_bytes"])
             layers = m["layers"]
         except KeyError as exc:
             raise StoreError(f"{path}: missing key {exc.args[0]!r}") from None
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise StoreError(f"{path}: a non-numeric size or count ({exc})") from None
         if not isinstance(layers, list) or not all(isinstance(layer, dict) for layer in layers):
             raise StoreError(f"{path}: layers must be a list of mappings")
@@ -263,6 +404,9 @@ class ExpertStore:
             if size != int(layer["bytes"]) or size != self.layout.record_bytes * self.n_experts:
                 raise StoreError(f"{f}: {size} bytes, manifest says {layer['bytes']} (truncated or wrong file)")
         self.record_bytes = self.layout.record_bytes
+        self.scale_doc: dict[str, Any] | None = m.get("paper_scale")  # paper_scale.scale_of reads it
+        if self.scale_doc is not None and not isinstance(self.scale_doc, dict):
+            raise StoreError(f"{path}: paper_scale must be a mapping")
         self.total_experts = self.n_layers * self.n_experts
         if verify:
             self.verify()
@@ -287,12 +431,19 @@ class ExpertStore:
         """The store must belong to this model: same layer count and shapes (raises naming the mismatch)."""
         if len(blocks) != self.n_layers:
             raise StoreError(f"{self.root}: {self.n_layers} MoE layers, the model has {len(blocks)}")
-        if getattr(blocks[0].experts, "is_offloaded", False):
-            return  # already offloaded (its shapes were checked when it was installed)
+        if _served(blocks[0].experts):
+            return  # already offloaded or computed from a store (its shapes were checked when it was installed)
         n, h, i = check_fused_experts(blocks[0].experts, "MoE layer ordinal 0")
-        if (n, h, i) != (self.n_experts, self.layout.hidden, self.layout.intermediate):
-            raise StoreError(f"{self.root}: experts ({self.n_experts}, {self.layout.hidden}, "
-                             f"{self.layout.intermediate}) do not match the model's ({n}, {h}, {i})")
+        mine = (self.n_experts, self.layout.model_hidden or self.layout.hidden,
+                int(self.manifest.get("model_intermediate_size", self.layout.intermediate)))
+        if (n, h, i) != mine:
+            raise StoreError(f"{self.root}: built from experts {mine}, the model's are ({n}, {h}, {i})")
+
+    def layer_records(self, layer: int) -> Tensor:
+        """Every record of ``layer`` as one ``uint8 [n_experts, record_bytes]`` tensor (a resident copy)."""
+        with open(self.files[layer], "rb") as fh:
+            data = bytearray(fh.read())
+        return torch.frombuffer(data, dtype=torch.uint8).view(self.n_experts, self.record_bytes)
 
     def read_all(self, layer: int) -> Iterator[tuple[int, bytes]]:
         with open(self.files[layer], "rb") as fh:

@@ -1,7 +1,9 @@
 """Background expert transfers: a prioritised queue served by I/O worker threads that overlap with compute.
 
-Demand loads (an executing layer needs the expert now) always go before prefetches; prefetches keep the
-order they were issued in (descending predicted priority). A prefetch that has not started when its target
+Demand loads (an executing layer needs the expert now) always go before prefetches: no prefetch starts while a
+demand load is queued or running (one already under way is not interrupted), and at an emulated device a demand
+request overtakes prefetches still waiting for bandwidth. Prefetches keep the order they were issued in
+(descending predicted priority). A prefetch that has not started when its target
 layer begins and is not needed there is cancelled; one that is needed is promoted to a demand load.
 
 Workers serve prefetches only; demand loads (and prefetches promoted to demand before they started) are
@@ -197,11 +199,17 @@ class TransferEngine:
         else:
             self.cache.cancel(tr.key)
         self.cond.notify_all()
+        if tr.cls == DEMAND:
+            self.work.notify_all()  # prefetches held back by this demand load may start
+
+    def demand_outstanding(self) -> bool:
+        """Under the lock: a demand load (or a promoted prefetch) is queued or running."""
+        return any(tr.cls == DEMAND for tr in self.active.values())
 
     def _next(self) -> Transfer | None:
         with self.cond:
             while not self._stop:
-                ready = [t for t in self.pending if t.cls == PREFETCH]
+                ready = [] if self.demand_outstanding() else [t for t in self.pending if t.cls == PREFETCH]
                 if ready:
                     break
                 self.work.wait()
@@ -218,7 +226,7 @@ class TransferEngine:
         staging = stream = None
         if self.cuda:
             torch.cuda.set_device(self.pool.device)
-            staging = torch.empty(self.pool.layout.record_bytes, dtype=torch.uint8).pin_memory()
+            staging = pinned_aligned(self.pool.layout.record_bytes)
             stream = torch.cuda.Stream(device=self.pool.device)
         while True:
             tr = self._next()
@@ -252,25 +260,26 @@ class TransferEngine:
         layer, expert = tr.key
         dest = self.pool.record(slot)
         if not self.cuda:
-            self.reader.read(layer, expert, dest, self.pool.buffer(slot), charged=tr.charged)
+            self.reader.read(layer, expert, dest, self.pool.buffer(slot), charged=tr.charged, demand=True)
             return
         src = self.reader.source(layer, expert)
         if src is None:
             if self._inline_staging is None:
-                self._inline_staging = torch.empty(self.pool.layout.record_bytes, dtype=torch.uint8).pin_memory()
-            self.reader.read(layer, expert, self._inline_staging, charged=tr.charged)
+                self._inline_staging = pinned_aligned(self.pool.layout.record_bytes)
+            self.reader.read(layer, expert, self._inline_staging, charged=tr.charged, demand=True)
             src = self._inline_staging
         dest.copy_(src)
 
     def _copy(self, tr: Transfer, slot: int, staging: torch.Tensor | None, stream: torch.cuda.Stream | None) -> None:
         layer, expert = tr.key
         dest = self.pool.record(slot)
+        demand = tr.cls == DEMAND
         if not self.cuda:
-            self.reader.read(layer, expert, dest, self.pool.buffer(slot), charged=tr.charged)
+            self.reader.read(layer, expert, dest, self.pool.buffer(slot), charged=tr.charged, demand=demand)
             return
         src = self.reader.source(layer, expert)
         if src is None:
-            self.reader.read(layer, expert, staging, charged=tr.charged)
+            self.reader.read(layer, expert, staging, charged=tr.charged, demand=demand)
             src = staging
         with torch.cuda.stream(stream):
             ev = self.pool.events[slot]
@@ -278,6 +287,13 @@ class TransferEngine:
                 stream.wait_event(ev)
             dest.copy_(src, non_blocking=True)
         stream.synchronize()
+
+
+def pinned_aligned(nbytes: int) -> torch.Tensor:
+    """A pinned host staging buffer whose data starts on a page boundary (O_DIRECT reads land in it)."""
+    base = torch.empty(nbytes + 4096, dtype=torch.uint8).pin_memory()
+    off = -base.data_ptr() % 4096
+    return base[off: off + nbytes]
 
 
 def _read_error(copy: Callable[..., None], *args: Any) -> str | None:

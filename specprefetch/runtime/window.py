@@ -150,29 +150,29 @@ def concurrent_throughput(reader: ExpertReader, n_workers: int, n: int = 64, see
     return n * st.layout.payload_bytes / (time.perf_counter() - t0)
 
 
-def transfer_table(harness: Harness, storages: list[str], n: int, scale: float) -> dict[str, dict[str, float]]:
-    """Per storage: the isolated per-expert transfer ms, measured (physical disk, RAM) or modelled (emulated)."""
+def transfer_table(harness: Harness, storages: list[str], n: int) -> dict[str, dict[str, float]]:
+    """Per storage: isolated per-expert load times (one at a time, cold for ``nvme_cold``), measured; for an emulated
+    device also its modelled time and the measured overshoot over it (mean and p95, ms and % of the model)."""
     out = {}
     for storage in dict.fromkeys([*storages, harness.settings["reference_storage"], "ram"]):
-        prof = make_profile(storage, harness.settings, harness.store.layout.payload_bytes, scale)
-        if prof.emulated:
-            out[storage] = {"transfer_ms": prof.transfer_s() * 1e3, "source": "model"}
-            continue
-        ms = measure_transfer_ms(harness.reader(storage), n=n)
-        out[storage] = {"transfer_ms": statistics.fmean(ms), "transfer_ms_median": statistics.median(ms),
-                  "source": "measured"}
+        reader = harness.reader(storage)
+        ms = measure_transfer_ms(reader, n=n)
+        row: dict[str, Any] = {"transfer_ms": statistics.median(ms), "transfer_ms_mean": statistics.fmean(ms),
+                               "transfer_ms_p95": _quantile(ms, 0.95), "n": len(ms), "source": "measured"}
+        if reader.profile.emulated:
+            model = reader.profile.transfer_s() * 1e3
+            over = [m - model for m in ms]
+            row.update(model_ms=model, overshoot_ms_mean=statistics.fmean(over), overshoot_ms_p95=_quantile(over, 0.95),
+                       overshoot_pct_mean=100.0 * statistics.fmean(over) / model if model > 0 else float("nan"))
+        if storage == "nvme_cold":
+            row["cold_read_mode"] = reader.cold_read_mode
+        out[storage] = row
     return out
 
 
-def emulation_overshoot_ms(harness: Harness, scale: float, n: int = 16) -> float:
-    """Mean extra time of an emulated load over its model (sleep granularity, thread hand-off)."""
-    prof = make_profile("nvme", harness.settings, harness.store.layout.payload_bytes, scale)
-    reader = ExpertReader(harness.store, prof)
-    try:
-        ms = measure_transfer_ms(reader, n=n)
-    finally:
-        reader.close()
-    return max(0.0, statistics.fmean(ms) - prof.transfer_s() * 1e3)
+def _quantile(values: list[float], q: float) -> float:
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))] if xs else float("nan")
 
 
 def transfer_cpu_ms(harness: Harness, storage: str, batches: int = 16) -> float:
@@ -258,14 +258,15 @@ def compute_profile(res: RunResult, n_layers: int) -> dict[str, Any]:
 
 def effective_transfer_ms(res: RunResult) -> float:
     """Per-expert transfer time as the runtime experiences it: for each layer's batch of prefetches, the time from
-    its first submission to its last completion divided by its size (queueing, worker wake-up and host CPU
-    contention included), averaged over batches. NaN if the run issued no prefetch."""
+    its first start to its last completion divided by its size (worker wake-up, device queueing and the host CPU
+    the transfers share with compute included); the median over batches (robust to a background burst). NaN if
+    the run issued no prefetch."""
     groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
     for tr in res.transfers:
-        if tr.kind == "prefetch" and tr.state == "done" and tr.charged:
+        if tr.kind == "prefetch" and tr.state == "done" and tr.charged and not tr.inline:
             groups[(tr.step, tr.key[0])].append(tr)
-    spans = [(max(t.t_end for t in g) - min(t.t_submit for t in g)) / len(g) for g in groups.values()]
-    return statistics.fmean(spans) * 1e3 if spans else float("nan")
+    spans = [(max(t.t_end for t in g) - min(t.t_start for t in g)) / len(g) for g in groups.values()]
+    return statistics.median(spans) * 1e3 if spans else float("nan")
 
 
 def derive_m_max(window_ms: float, transfer_ms: float, n_experts: int) -> int:
@@ -309,38 +310,42 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
     if window_run.tokens() != resident.tokens() or candidates.tokens() != resident.tokens():
         raise RuntimeError("window profiling runs decoded different tokens: the runtime changed the outputs")
     windows = per_layer_windows(window_run.events)
-    t_eff = float("nan")
-    if ref not in EMULATED:  # an emulated reference is timed by its model (its scale is only known below)
-        xfer_policy = next(p for p in ("specprefetch", "fate", "naive") if p == "naive" or p in harness.providers)
-        t_eff = effective_transfer_ms(harness.run(xfer_policy, ref, m_max=int(harness.spec.top_k), prompts=prompts))
-
     per_layer: dict[int, list[float]] = defaultdict(list)
     for (_step, layer), w in windows.items():
         per_layer[layer].append(w)
-    w_mean = statistics.fmean([w for ws in per_layer.values() for w in ws]) if per_layer else float("nan")
-
-    # calibrated emulation: profiled window / emulated NVMe transfer = calibrate_ratio
-    scale = 1.0
-    if settings["charge"] == "calibrated":
-        paper_profile = make_profile("nvme", {**settings, "charge": "paper"}, harness.store.layout.payload_bytes)
-        base = paper_profile.transfer_s() * 1e3
-        scale = (w_mean / float(settings["calibrate_ratio"])) / base if base > 0 and math.isfinite(w_mean) else 1.0
+    all_w = [w for ws in per_layer.values() for w in ws]
+    w_mean = statistics.fmean(all_w) if all_w else float("nan")
+    w_med = statistics.median(all_w) if all_w else float("nan")  # the budget's window: robust to background load
+    w_layer = {layer: statistics.median(ws) for layer, ws in per_layer.items()}
 
     log.info("measuring per-expert transfer times")
-    transfers = transfer_table(harness, list(settings["storages"]), int(wcfg["transfer_samples"]), scale)
-    t_iso = transfers[ref]["transfer_ms"]
-    t_ref = t_eff if math.isfinite(t_eff) else t_iso
+    storages = list(dict.fromkeys([ref, settings["slow_storage"], *settings["storages"]]))
+    transfers = transfer_table(harness, storages, int(wcfg["transfer_samples"]))
+    xfer_policy = next(p for p in ("specprefetch", "fate", "naive") if p == "naive" or p in harness.providers)
+    t_eff: dict[str, float] = {}
+    for st in storages:  # the transfer as the runtime experiences it, on every storage
+        t_eff[st] = effective_transfer_ms(harness.run(xfer_policy, st, m_max=int(harness.spec.top_k),
+                                                      prompts=prompts))
+    t_used = {st: (t_eff[st] if math.isfinite(t_eff[st]) else transfers[st]["transfer_ms"]) for st in storages}
+    t_ref = t_used[ref]
     phys = physical_device_model(harness, transfers["nvme_cold"]["transfer_ms"]) if "nvme_cold" in transfers else None
-    m_max = derive_m_max(w_mean, t_ref, n_experts) if settings["m_max"] == "auto" else int(settings["m_max"])
-    overshoot = emulation_overshoot_ms(harness, scale)
+    auto = settings["m_max"] == "auto"
+    m_max_per_storage = {st: derive_m_max(w_med, t_used[st], n_experts) if auto else int(settings["m_max"])
+                         for st in storages}
+    m_max_per_layer = {st: [derive_m_max(w_layer[layer], t_used[st], n_experts) for layer in sorted(w_layer)]
+                       for st in storages}
+    m_max = m_max_per_storage[ref]
     cpu_ms = {st: transfer_cpu_ms(harness, st) for st in ("nvme_cold", "ram")}
-    emulated = {name: make_profile(name, settings, harness.store.layout.payload_bytes, scale).describe()
+    emulated = {name: make_profile(name, settings, harness.store.layout.payload_bytes).describe()
                 for name in EMULATED}
+    overshoot = {st: {"mean_ms": row["overshoot_ms_mean"], "p95_ms": row["overshoot_ms_p95"],
+                      "pct_of_model": row["overshoot_pct_mean"]}
+                 for st, row in transfers.items() if "overshoot_ms_mean" in row}
 
     out_dir = Path(out_dir)
     window_rows = [{"platform": platform, "model": model_name, "layer": layer + 1,
                     "window_ms": statistics.fmean(ws), "transfer_ms": t_ref,
-                    "m_max": derive_m_max(statistics.fmean(ws), t_ref, n_experts)}
+                    "m_max": derive_m_max(w_layer[layer], t_ref, n_experts)}
                    for layer, ws in sorted(per_layer.items())]
     event_rows = []
     for ev in candidates.events:
@@ -362,13 +367,18 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
         "n_layers": n_layers, "n_experts": n_experts, "top_k": int(harness.spec.top_k),
         "record_bytes": harness.store.record_bytes, "payload_bytes": harness.store.layout.payload_bytes,
         "cache_capacity_experts": capacity, "io_workers": int(settings["io_workers"]),
-        "window_ms_mean": w_mean,
+        "expert_store": {k: harness.store.manifest.get(k) for k in
+                         ("hidden_size", "intermediate_size", "model_hidden_size", "quant", "dtype", "group_size",
+                          "paper_scale")},
+        "window_ms_mean": w_mean, "window_ms_median": w_med, "window_samples": len(all_w),
         "window_ms_per_layer": {str(k + 1): statistics.fmean(v) for k, v in per_layer.items()},
-        "transfer_ms": transfers, "transfer_ms_isolated": t_iso, "transfer_ms_in_runtime": t_eff,
-        "transfer_ms_used": t_ref, "m_max": m_max,
-        "m_max_source": "profiled" if settings["m_max"] == "auto" else "config",
-        "predictor_for_window": pred_policy,
-        "charge": settings["charge"], "emulation_scale": scale, "emulated_profiles": emulated,
+        "window_ms_per_layer_median": {str(k + 1): v for k, v in w_layer.items()},
+        "transfer_ms": transfers, "transfer_ms_isolated": transfers[ref]["transfer_ms"],
+        "transfer_ms_in_runtime": t_eff, "transfer_ms_used": t_used, "m_max": m_max,
+        "m_max_per_storage": m_max_per_storage, "m_max_per_layer": m_max_per_layer,
+        "m_max_source": "profiled" if auto else "config",
+        "m_max_rule": "max(1, floor(median W / t_transfer in the runtime)) per storage",
+        "predictor_for_window": pred_policy, "emulated_profiles": emulated,
         "emulation_overshoot_ms": overshoot, "transfer_cpu_ms": cpu_ms,
         "physical_model": phys,
         "compute": {"opt": compute_profile(resident, n_layers), "loop": compute_profile(resident_loop, n_layers),
@@ -383,7 +393,8 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
         _write_csv(tmp / "window_events.csv", EVENT_COLUMNS, event_rows)
         _write_csv(tmp / "latency.csv", LATENCY_COLUMNS, latency_rows)
         write_json_atomic(tmp / "profile.json", profile)
-    log.info("window %.3f ms, transfer %.3f ms on %s -> M_max = %d", w_mean, t_ref, ref, m_max)
+    log.info("window %.3f ms (median %.3f), transfer %.3f ms on %s -> M_max = %d; per storage %s", w_mean, w_med,
+             t_ref, ref, m_max, m_max_per_storage)
     return profile
 
 

@@ -72,16 +72,17 @@ def _setup(args: argparse.Namespace, need_prompts: bool = True) -> dict[str, Any
             "bundle": bundle, "store": store, "prompts": prompts, "providers": providers}
 
 
-def _harness(env: dict[str, Any], scale: float = 1.0) -> Any:
+def _harness(env: dict[str, Any]) -> Any:
     from specprefetch.runtime.session import Harness
 
     b = env["bundle"]
     return Harness(b.model, b.routing, env["store"], env["settings"], env["prompts"], env["providers"], env["accel"],
-                   emulation_scale=scale, tokenizer=b.tokenizer)
+                   tokenizer=b.tokenizer)
 
 
 def _fragment(cfg: dict[str, Any], model: str) -> dict[str, Any]:
     return {"device": cfg.get("device"), "model": cfg["models"][model], "seed": cfg["seed"]}
+
 
 
 def _window_profile(window: Path, model: str) -> dict[str, Any]:
@@ -100,12 +101,16 @@ def _window_profile(window: Path, model: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ commands
 def _cmd_build_store(args: argparse.Namespace) -> None:
     from specprefetch.models import load_bundle
+    from specprefetch.runtime.paper_scale import ExpertScale
+    from specprefetch.runtime.settings import device_settings
     from specprefetch.runtime.store import build_expert_store
 
     cfg = load_args_config(args)
+    sc = device_settings(cfg)["paper_scale"].get(args.model)
+    scale = ExpertScale(**sc, seed=int(cfg["seed"])) if sc is not None else None
     bundle = load_bundle(cfg, args.model, args.model_dir)
     build_expert_store(bundle.model, args.out, bundle.routing, model_name=args.model,
-                       config_fragment=_fragment(cfg, args.model))
+                       config_fragment=_fragment(cfg, args.model), scale=scale)
 
 
 def _cmd_profile_window(args: argparse.Namespace) -> None:
@@ -124,7 +129,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 
     env = _setup(args)
     profile = _window_profile(args.window, args.model)
-    harness = _harness(env, scale=float(profile.get("emulation_scale", 1.0)))
+    harness = _harness(env)
     from specprefetch.runtime.settings import experiments_for
 
     experiments = args.experiments.split(",") if args.experiments else experiments_for(env["settings"], args.model)
@@ -219,11 +224,17 @@ def _cmd_collect(args: argparse.Namespace) -> None:
 
 
 def _cmd_evaluate_offloaded(args: argparse.Namespace) -> None:
+    from specprefetch.runtime.bench import resolve_m_max
     from specprefetch.runtime.lm_eval_model import evaluate_offloaded
 
     env = _setup(args, need_prompts=False)
-    evaluate_offloaded(env["cfg"], env["settings"], args.model, env["bundle"], env["store"], env["providers"],
-                       Path(args.tasks_dir), args.out, device=env["accel"])
+    settings = env["settings"]
+    if settings["m_max"] == "auto" and args.window is None:
+        raise SpecPrefetchError("device.m_max is auto: pass --window (a profile-window directory) for its M_max")
+    profile = _window_profile(args.window, args.model) if args.window is not None else {}
+    m_max = resolve_m_max(settings, profile)[settings["reference_storage"]]
+    evaluate_offloaded(env["cfg"], settings, args.model, env["bundle"], env["store"], env["providers"],
+                       Path(args.tasks_dir), args.out, device=env["accel"], m_max=m_max)
 
 
 def _cmd_lm_eval(args: argparse.Namespace) -> None:
@@ -301,6 +312,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     _predictor_arg(p)
     _device_arg(p)
     p.add_argument("--tasks-dir", required=True, type=Path, help="results/workloads (each with lm_eval/)")
+    p.add_argument("--window", type=Path, default=None,
+                   help="profile-window directory (its M_max, when device.m_max is auto)")
     p.add_argument("--out", required=True, type=Path)
     p.set_defaults(func=_cmd_evaluate_offloaded)
 

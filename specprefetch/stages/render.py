@@ -80,9 +80,11 @@ def _cmd_compare(args: argparse.Namespace) -> None:
     cfg = load_args_config(args)
     claims = compare_with_paper(cfg, args.tables, args.figures or [], load_reported(args.reported), args.out_dir,
                                 markdown=args.markdown, templates=args.templates)
-    checked = [c for c in claims if c.agrees is not None]
-    print(f"{args.out_dir}: {sum(c.agrees for c in checked)} of {len(checked)} checkable claims of the paper hold "
-          f"the same way ({cfg['profile']} profile); see comparison.md")
+    from specprefetch.render.compare import claim_counts
+
+    n = claim_counts(claims)
+    print(f"{args.out_dir}: {n['holds']} hold, {n['fails']} fail, {n['unresolved']} unresolved of {n['checkable']} "
+          f"checkable claims of the paper ({cfg['profile']} profile); see comparison.md")
 
 
 def _cmd_compile_preview(args: argparse.Namespace) -> None:

@@ -21,7 +21,7 @@ rule build_expert_store:
     params:
         cli=P.cli,
         config=P.config_param,
-        cfg=lambda w: P.hash_of(model=w.model),
+        cfg=lambda w: P.store_hash(w.model),
         model_dir=lambda w: P.model_dir_arg(w.model),
     shell:
         "{params.cli} build-expert-store --config {params.config:q} --model {wildcards.model:q} {params.model_dir} "
@@ -145,6 +145,7 @@ rule evaluate_offloaded:
     """lm-eval on the local tasks through the offloaded runtime, every policy, vs the plain model."""
     input:
         store=P.store_dir(),
+        window=P.window_dir(),
         model=lambda w: P.model_inputs(w.model),
         workloads=P.workload_dirs(),
         predictors=lambda w: P.device_predictor_dirs(w.model),
@@ -169,8 +170,8 @@ rule evaluate_offloaded:
         tasks_dir=lambda w, input: P.parent_dir(input.workloads),
     shell:
         "{params.cli} evaluate-offloaded --config {params.config:q} --model {wildcards.model:q} {params.model_dir} "
-        "--store {input.store:q} {params.predictors} --tasks-dir {params.tasks_dir:q} --out {output:q} "
-        "2>&1 | tee {log:q}"
+        "--store {input.store:q} --window {input.window:q} {params.predictors} --tasks-dir {params.tasks_dir:q} "
+        "--out {output:q} 2>&1 | tee {log:q}"
 
 
 rule collect_device_benchmarks:
