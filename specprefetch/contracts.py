@@ -36,8 +36,32 @@ csv.field_size_limit(CSV_FIELD_LIMIT)
 
 
 # Vocabularies of the device stage: the runtime, its config section, runs.csv and the external-log schema.
-POLICIES = ("off", "pred0", "specprefetch", "naive", "fate", "resident")
-PREDICTING = ("pred0", "specprefetch", "naive", "fate")
+@dataclass(frozen=True)
+class Policy:
+    """What a runtime policy does: the one table the runtime, the simulator, the benchmarks and lm-eval read."""
+
+    name: str
+    predicts: bool                 # priorities for the next layer are computed (and the selection at M_max)
+    issues: bool                   # the selected experts are prefetched
+    provider: str | None = None    # the priority provider it needs (a --predictor key; None: none or built in)
+    preload: bool = False          # every expert resident before the run
+
+    @property
+    def budgeted(self) -> bool:
+        """Its runs have a budget M_max (PRED0 selects at M_max but issues nothing)."""
+        return self.predicts
+
+
+POLICY: dict[str, Policy] = {p.name: p for p in (
+    Policy("off", predicts=False, issues=False),
+    Policy("pred0", predicts=True, issues=False, provider="specprefetch"),
+    Policy("specprefetch", predicts=True, issues=True, provider="specprefetch"),
+    Policy("naive", predicts=True, issues=True),   # the previous token's experts: built in
+    Policy("fate", predicts=True, issues=True, provider="fate"),
+    Policy("resident", predicts=False, issues=False, preload=True),
+)}
+POLICIES = tuple(POLICY)
+PREDICTING = tuple(p for p, pol in POLICY.items() if pol.predicts)
 STORAGES = ("nvme_cold", "nvme", "ufs", "slow_ufs", "sdcard", "ram")
 EMULATED = ("nvme", "ufs", "slow_ufs", "sdcard")
 EXPERIMENTS = ("main", "matched", "sweep", "storage", "component")

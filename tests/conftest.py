@@ -114,3 +114,19 @@ def one_thread() -> Any:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cfg() -> dict:
+    """The embedded default's resolved config (the render tests' fixture; a module may define its own)."""
+    from specprefetch.config import REPO_ROOT, load_config
+
+    return load_config(REPO_ROOT / "config" / "config.yaml")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory, cfg: dict) -> dict:
+    """Every result CSV the tables and figures read, written from the render tests' fixture frames."""
+    from test_render import write_fixture_results
+
+    return write_fixture_results(tmp_path_factory.mktemp("results"), cfg)

@@ -168,16 +168,6 @@ def write_fixture_results(root: Path, cfg: dict) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def cfg() -> dict:
-    return load_config(ROOT / "config" / "config.yaml")
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory, cfg: dict) -> dict[str, Path]:
-    return write_fixture_results(tmp_path_factory.mktemp("results"), cfg)
-
-
-@pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory, cfg: dict, results: dict[str, Path]) -> Path:
     """Every table, figure and comparison rendered from the fixtures once (the tests below read them)."""
     from specprefetch.render.compare import compare_with_paper

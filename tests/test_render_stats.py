@@ -14,24 +14,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from test_render import ROOT, _run_cli, _runs_rows, write_fixture_results
+from test_render import ROOT, _run_cli, _runs_rows
 
-from specprefetch.config import load_config
 from specprefetch.render.cells import Cell, TableDoc, read_table_doc
 from specprefetch.render.compare import Verdict, compare_with_paper, evaluate_claims
 from specprefetch.render.data import RenderInputError, bootstrap_ci
 from specprefetch.render.reported import load_reported
-
-
-@pytest.fixture(scope="module")
-def cfg() -> dict:
-    return load_config(ROOT / "config" / "config.yaml")
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory, cfg: dict) -> dict[str, Path]:
-    return write_fixture_results(tmp_path_factory.mktemp("results"), cfg)
-
 
 # ------------------------------------------------------------------------------------------------- bootstrap CI
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from specprefetch.contracts import ROUTING_FORMAT, RUN_COLUMNS, save_tensor_tree
+from specprefetch.contracts import POLICY, ROUTING_FORMAT, RUN_COLUMNS, save_tensor_tree
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance
 from specprefetch.runtime.session import Harness, RunResult
 
@@ -64,7 +64,7 @@ class RunConfig:
     @property
     def budget(self) -> int:
         """The M_max the runtime uses (OFF and all-resident prefetch nothing)."""
-        return 0 if self.policy in ("off", "resident") else self.m_max
+        return self.m_max if POLICY[self.policy].budgeted else 0
 
     @property
     def signature(self) -> Signature:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from specprefetch.contracts import POLICIES, PREDICTING
+from specprefetch.contracts import POLICIES, POLICY
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.cache import ExpertCache, Key, SlotPool
 from specprefetch.runtime.priority import PriorityProvider, select_prefetch
@@ -138,14 +138,15 @@ class OffloadedRuntime:
             from specprefetch.runtime.quant import check_int4_available
 
             check_int4_available(self.device)  # the packed 4-bit layout is aten's CPU one
-        self.preload = options.preload or options.policy == "resident"
+        self.policy = POLICY[options.policy]
+        self.preload = options.preload or self.policy.preload
         cap = store.total_experts if self.preload or not options.capacity else options.capacity
         cap = min(int(cap), store.total_experts)
         if cap < self.top_k:
             raise OffloadError(f"cache capacity {cap} experts < top_k={self.top_k}: one layer cannot execute")
-        if options.policy in PREDICTING and options.policy != "naive" and provider is None:
+        if self.policy.provider is not None and provider is None:
             raise OffloadError(f"policy {options.policy!r} needs a priority provider (a predictor)")
-        self.provider = provider if options.policy in PREDICTING else None
+        self.provider = provider if self.policy.predicts else None
         self.cache = ExpertCache(cap)
         self.pool = SlotPool(cap, store.layout, self.device)
         self.layout = store.layout
@@ -349,7 +350,7 @@ class OffloadedRuntime:
             for m in self.opt.topm_absent:
                 top = select_prefetch(s, set(), m, self.provider.empty_when_zero)
                 ev.topm_absent[m] = sum(1 for e in top if e not in exclude)
-            if self.opt.policy == "pred0":
+            if not self.policy.issues:  # PRED0: the whole control path, no transfer
                 return
             for e in cands:
                 key = (l + 1, e)

@@ -30,6 +30,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from specprefetch.contracts import POLICY
 from specprefetch.io import SpecPrefetchError, atomic_path
 from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions
 from specprefetch.runtime.paper_scale import install_store_experts, scale_of, widen_shared_experts
@@ -78,9 +79,12 @@ class OffloadedLM(HFLM):
         scale = scale_of(expert_store)
         if scale is not None:  # a paper-scale store: the shared experts are widened the same way
             widen_shared_experts(find_moe_blocks(language_model(bundle.model), spec), scale)
-        if provider is None and policy not in ("off", "resident", "naive"):
+        pol = POLICY[policy] if policy in POLICY else None
+        if pol is None:
+            raise SpecPrefetchError(f"specprefetch-offloaded: unknown policy {policy!r} ({', '.join(POLICY)})")
+        if provider is None and pol.provider is not None:
             provider = _provider_from(policy, predictor, spec, device)
-        if provider is None and policy == "naive":
+        if provider is None and pol.predicts and pol.provider is None:
             from specprefetch.runtime.priority import PreviousTokenPriority
 
             provider = PreviousTokenPriority(spec.n_layers, spec.n_experts)
@@ -183,8 +187,8 @@ def evaluate_offloaded(cfg: dict[str, Any], settings: dict[str, Any], model_name
     storage = settings["reference_storage"]
     rows = []
     for policy in acc["policies"]:
-        key = "specprefetch" if policy == "pred0" else policy
-        provider = providers[key]() if key in providers and policy not in ("off", "resident", "naive") else None
+        key = POLICY[policy].provider
+        provider = providers[key]() if key in providers else None
         lm = OffloadedLM(bundle=bundle, expert_store=store, provider=provider, policy=policy, storage=storage,
                          m_max=m_max, compute_opt=True, device=device,
                          capacity=_capacity(settings, store, bundle.routing.top_k))

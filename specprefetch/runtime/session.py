@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specprefetch.contracts import POLICY
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.decode import Generation, Prompt, greedy_generate
 from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions, install_offloaded
@@ -95,11 +96,12 @@ class Harness:
         return self._readers[storage]
 
     def provider(self, policy: str) -> PriorityProvider | None:
-        if policy == "naive":
-            return PreviousTokenPriority(len(self.blocks), self.store.n_experts)
-        if policy in ("off", "resident"):
+        pol = POLICY[policy]
+        if not pol.predicts:
             return None
-        key = "specprefetch" if policy == "pred0" else policy
+        if pol.provider is None:  # Naive Prefetch: the previous token's experts
+            return PreviousTokenPriority(len(self.blocks), self.store.n_experts)
+        key = pol.provider
         if key not in self.providers:
             raise SpecPrefetchError(f"policy {policy!r} needs a {key} predictor, none was given")
         return self.providers[key]()
@@ -128,7 +130,7 @@ class Harness:
             max_new_tokens: int | None = None, prompts: list[Prompt] | None = None,
             on_runtime: Callable[[OffloadedRuntime], Any] | None = None) -> RunResult:
         """One measured run of ``policy`` (see the module docstring)."""
-        opts = RuntimeOptions(policy=policy, m_max=m_max if policy not in ("off", "resident") else 0,
+        opts = RuntimeOptions(policy=policy, m_max=m_max if POLICY[policy].budgeted else 0,
                               capacity=capacity or self.capacity, compute_opt=compute_opt,
                               io_workers=int(self.settings["io_workers"]), io_retries=int(self.settings["io_retries"]),
                               record_routing=record, preload=preload, topm_absent=topm_absent)

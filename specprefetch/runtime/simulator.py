@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specprefetch.contracts import POLICIES, PREDICTING
+from specprefetch.contracts import POLICIES, POLICY
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.cache import ExpertCache, Key
 from specprefetch.runtime.priority import PreviousTokenPriority, select_prefetch
@@ -266,8 +266,9 @@ def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity
     if preload:
         cache.preload((l, e) for l in range(n_layers) for e in range(n_experts))
     io = _SimIO(cache, storage, io_workers, compute.io_overhead_s, fixed_transfer_s)
-    predicting = policy in PREDICTING
-    naive = PreviousTokenPriority(n_layers, n_experts) if policy == "naive" else None
+    pol = POLICY[policy]
+    predicting = pol.predicts
+    naive = PreviousTokenPriority(n_layers, n_experts) if pol.predicts and pol.provider is None else None
     events: list[LayerEvent] = []
     issued: dict[tuple[int, int], list[_Tr]] = defaultdict(list)
     t = 0.0
@@ -341,7 +342,7 @@ def _layer(l: int, st: SimStep, step: int, t: float, io: _SimIO, cache: ExpertCa
             exclude = cache.unavailable_mask_of_layer(l + 1)
             cands = select_prefetch(s, exclude, m_max, naive is not None)
             ev.candidates = cands
-            if policy != "pred0":
+            if POLICY[policy].issues:
                 for e in cands:
                     if cache.reserve((l + 1, e), protect, last_resort=False) is None:
                         break
