@@ -37,7 +37,8 @@ from torch import Tensor, nn
 from specprefetch.contracts import POLICIES, POLICY
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.cache import ExpertCache, Key, SlotPool
-from specprefetch.runtime.priority import PriorityProvider, select_prefetch
+from specprefetch.runtime.layer import acquire, begin_layer, issue_prefetches
+from specprefetch.runtime.priority import PriorityProvider
 from specprefetch.runtime.storage import ExpertReader, StorageError
 from specprefetch.runtime.store import ExpertStore, MoEBlock, find_moe_blocks
 from specprefetch.runtime.timeline import LayerEvent, RunStats, summarize
@@ -262,47 +263,14 @@ class OffloadedRuntime:
         return out
 
     def _begin_layer(self, l: int, t_exec: float, idx: Tensor, required: list[int]) -> LayerEvent:
-        req = set(required)
-        with self.cache.lock:
-            cancelled = self.engine.cancel_pending(l, req)
-            for e in required:
-                self.engine.promote((l, e))
-            resident = {e for e in required if self.cache.is_resident((l, e))}
-            inflight = {e for e in required if e not in resident and self.engine.inflight((l, e)) is not None}
-        rows = idx.tolist()
-        ready_pairs = sum(len(set(r) & resident) for r in rows)
-        ev = LayerEvent(step=self.step, layer=l, n_tokens=len(rows), t_exec=t_exec, required=required,
-                        hits=len(resident), inflight=len(inflight), misses=len(req) - len(resident) - len(inflight),
-                        ready_pairs=ready_pairs, t_ready=t_exec, t_compute=t_exec)
-        canc = {id(t) for t in cancelled}
-        with self.cache.lock:
-            for tr in self._issued.pop((self.step, l), []):
-                if tr.state == "cancelled" or id(tr) in canc:
-                    ev.prefetch_cancelled += 1
-                elif tr.key[1] in req:
-                    ev.prefetch_used += 1
-                else:  # transferred (or transferring) for nothing: first to go
-                    ev.prefetch_wasted += 1
-                    tr.unneeded = True
-                    if tr.state == "done":
-                        self.cache.demote(tr.key)
+        ev = begin_layer(self.cache, self.engine, self._issued, self.step, l, t_exec, idx.tolist(), required)
         if self.opt.record_routing:
             ev.topk = idx.clone()
         self.events.append(ev)
         return ev
 
     def _acquire(self, keys: list[Key], j: int, protect: set[Key]) -> int:
-        """Pin ``keys[j:]`` in order while the cache has room, queueing demand loads; returns the new ``j``."""
-        with self.cache.lock:
-            while j < len(keys):
-                key = keys[j]
-                if not (self.cache.is_resident(key) or self.cache.is_inflight(key)):
-                    if self.cache.reserve(key, protect, last_resort=True) is None:
-                        break
-                    self.engine.submit(key, "demand", self.step)
-                self.cache.pin(key)
-                j += 1
-        return j
+        return acquire(self.cache, self.engine, keys, j, protect, self.step, 0.0)
 
     def _wait_for_room(self) -> None:
         if not self.engine.wait_any():
@@ -343,22 +311,8 @@ class OffloadedRuntime:
             return
         if self.opt.record_routing:
             ev.scores = s.clone()
-        with self.cache.lock:
-            exclude = self.cache.unavailable_mask_of_layer(l + 1)
-            cands = select_prefetch(s, exclude, self.opt.m_max, self.provider.empty_when_zero)
-            ev.candidates = cands
-            for m in self.opt.topm_absent:
-                top = select_prefetch(s, set(), m, self.provider.empty_when_zero)
-                ev.topm_absent[m] = sum(1 for e in top if e not in exclude)
-            if not self.policy.issues:  # PRED0: the whole control path, no transfer
-                return
-            for e in cands:
-                key = (l + 1, e)
-                if self.cache.reserve(key, protect, last_resort=False) is None:
-                    break  # no slot can be freed without evicting what this layer needs
-                tr = self.engine.submit(key, "prefetch", self.step)
-                ev.issued.append(e)
-                self._issued[(self.step, l + 1)].append(tr)
+        issue_prefetches(self.cache, self.engine, self._issued, ev, self.step, l, s, self.opt.m_max,
+                         self.provider.empty_when_zero, self.policy.issues, protect, ev.t_pred, self.opt.topm_absent)
 
     def _release(self, key: Key, slot: int, protect: set[Key]) -> None:
         self.pool.mark_used(slot)

@@ -1,10 +1,10 @@
 """Trace-driven discrete-event simulator of the offloaded runtime (same cache, budget and queue logic).
 
 It replays, step by step and layer by layer, the native routing of a token sequence and the predictor's
-priorities through the *same* :class:`~specprefetch.runtime.cache.ExpertCache`, the same
-:func:`~specprefetch.runtime.priority.select_prefetch`, the same order of operations as
-:class:`~specprefetch.runtime.engine.OffloadedRuntime` (cancel/promote at ``t_exec``, pin, demand loads first,
-prediction, prefetch in priority order, compute, release) and the same
+priorities through the *same* :class:`~specprefetch.runtime.cache.ExpertCache` and the *same* per-layer decisions
+as :class:`~specprefetch.runtime.engine.OffloadedRuntime` (:mod:`~specprefetch.runtime.layer`: cancel/promote at
+``t_exec``, pin, demand loads, selection and prefetch issue in priority order, accounting), in the runtime's order
+of operations (demand loads first, prediction, prefetch, compute, release), with the same
 :class:`~specprefetch.runtime.storage.BandwidthModel`, on a virtual clock: compute takes the profiled per-layer
 durations, each transfer occupies one of ``io_workers`` servers for its modelled time. It produces the runtime's
 own :class:`~specprefetch.runtime.timeline.LayerEvent` records, so counters and ReadyRecall come from the same
@@ -33,7 +33,8 @@ from torch import Tensor
 from specprefetch.contracts import POLICIES, POLICY
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.cache import ExpertCache, Key
-from specprefetch.runtime.priority import PreviousTokenPriority, select_prefetch
+from specprefetch.runtime.layer import acquire, begin_layer, issue_prefetches
+from specprefetch.runtime.priority import PreviousTokenPriority
 from specprefetch.runtime.storage import BandwidthModel, StorageProfile
 from specprefetch.runtime.timeline import LayerEvent, RunStats, summarize
 
@@ -226,6 +227,14 @@ class _SimIO:
             t = self.wait_any(t)
         return t
 
+    def inflight(self, key: Key) -> _Tr | None:
+        return self.active.get(key)
+
+    def promote(self, key: Key) -> None:
+        tr = self.active.get(key)
+        if tr is not None:
+            tr.cls = DEMAND
+
     def cancel_pending(self, layer: int, keep: set[int]) -> list[_Tr]:
         out = []
         for tr in list(self.pending):
@@ -299,35 +308,14 @@ def _layer(l: int, st: SimStep, step: int, t: float, io: _SimIO, cache: ExpertCa
            compute: ComputeProfile, compute_opt: bool, sync: bool) -> float:
     rows = st.topk[l]
     required = sorted({e for r in rows for e in r if 0 <= e < n_experts})
-    req = set(required)
     keys = [(l, e) for e in required]
     io.advance(t)
     io.charge_delays = len(rows) == 1
     t_exec = t
-    cancelled = io.cancel_pending(l, req)
-    for e in required:
-        tr = io.active.get((l, e))
-        if tr is not None:
-            tr.cls = DEMAND
-    resident = {e for e in required if cache.is_resident((l, e))}
-    inflight = {e for e in required if e not in resident and (l, e) in io.active}
-    ev = LayerEvent(step=step, layer=l, n_tokens=len(rows), t_exec=t_exec, required=required, hits=len(resident),
-                    inflight=len(inflight), misses=len(req) - len(resident) - len(inflight),
-                    ready_pairs=sum(len(set(r) & resident) for r in rows), t_ready=t_exec)
-    canc = {id(x) for x in cancelled}
-    for tr in issued.pop((step, l), []):
-        if tr.state == "cancelled" or id(tr) in canc:
-            ev.prefetch_cancelled += 1
-        elif tr.key[1] in req:
-            ev.prefetch_used += 1
-        else:
-            ev.prefetch_wasted += 1
-            tr.unneeded = True
-            if tr.state == "done":
-                cache.demote(tr.key)
+    ev = begin_layer(cache, io, issued, step, l, t_exec, rows, required)
     events.append(ev)
     protect = set(keys)
-    j = _acquire(keys, 0, protect, cache, io, step, t)
+    j = acquire(cache, io, keys, 0, protect, step, t)
     # prediction and prefetch
     if predicting and l + 1 < n_layers:
         t += compute.pred_s[l]
@@ -339,15 +327,8 @@ def _layer(l: int, st: SimStep, step: int, t: float, io: _SimIO, cache: ExpertCa
             raise SimulationError(f"policy {policy!r}: step {step} layer {l} has no recorded priorities")
         if s is not None:
             io.advance(t)
-            exclude = cache.unavailable_mask_of_layer(l + 1)
-            cands = select_prefetch(s, exclude, m_max, naive is not None)
-            ev.candidates = cands
-            if POLICY[policy].issues:
-                for e in cands:
-                    if cache.reserve((l + 1, e), protect, last_resort=False) is None:
-                        break
-                    issued[(step, l + 1)].append(io.submit((l + 1, e), "prefetch", step, t))
-                    ev.issued.append(e)
+            issue_prefetches(cache, io, issued, ev, step, l, s, m_max, naive is not None, POLICY[policy].issues,
+                             protect, t)
         t += compute.post_pred_s[l] + compute.cpu_per_prefetch_s * len(ev.issued)
     else:
         t += compute.book_s[l]
@@ -359,7 +340,7 @@ def _layer(l: int, st: SimStep, step: int, t: float, io: _SimIO, cache: ExpertCa
         t0 = t
         while j < len(keys):
             t = io.wait_any(t)
-            j = _acquire(keys, j, protect, cache, io, step, t)
+            j = acquire(cache, io, keys, j, protect, step, t)
         for k in keys:
             t = io.wait_for(k, t)
         stall = t - t0
@@ -373,7 +354,7 @@ def _layer(l: int, st: SimStep, step: int, t: float, io: _SimIO, cache: ExpertCa
             waited = j <= i or not cache.is_resident(k)
             while j <= i:
                 t = io.wait_any(t)
-                j = _acquire(keys, j, protect, cache, io, step, t)
+                j = acquire(cache, io, keys, j, protect, step, t)
             t = io.wait_for(k, t)
             if waited:
                 ev.t_ready = t
@@ -382,7 +363,7 @@ def _layer(l: int, st: SimStep, step: int, t: float, io: _SimIO, cache: ExpertCa
             cache.unpin(k)
             protect.discard(k)
             io.advance(t)
-            j = _acquire(keys, j, protect, cache, io, step, t)
+            j = acquire(cache, io, keys, j, protect, step, t)
     ev.stall_s = stall
     if sync:
         t = io.drain(t)
@@ -394,19 +375,6 @@ def _layer(l: int, st: SimStep, step: int, t: float, io: _SimIO, cache: ExpertCa
     ev.t_done = t
     io.advance(t)
     return t
-
-
-def _acquire(keys: list[Key], j: int, protect: set[Key], cache: ExpertCache, io: _SimIO, step: int,
-             t: float) -> int:
-    while j < len(keys):
-        key = keys[j]
-        if not (cache.is_resident(key) or cache.is_inflight(key)):
-            if cache.reserve(key, protect, last_resort=True) is None:
-                break
-            io.submit(key, "demand", step, t)
-        cache.pin(key)
-        j += 1
-    return j
 
 
 # ------------------------------------------------------------------------------------------ inputs

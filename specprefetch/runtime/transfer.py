@@ -88,8 +88,9 @@ class TransferEngine:
             w.start()
 
     # -------------------------------------------------------------- control (caller holds no lock or cache.lock)
-    def submit(self, key: Key, kind: str, step: int) -> Transfer:
-        """Queue a transfer of ``key`` into its reserved slot (the caller reserved it under ``cache.lock``)."""
+    def submit(self, key: Key, kind: str, step: int, t: float | None = None) -> Transfer:
+        """Queue a transfer of ``key`` into its reserved slot (the caller reserved it under ``cache.lock``); ``t`` is
+        the simulator's clock in the shared interface (:mod:`.layer`), unused: the engine reads the wall clock."""
         with self.cond:
             tr = Transfer(key, kind, step, next(self._seq), DEMAND if kind == "demand" else PREFETCH,
                           t_submit=time.perf_counter(), charged=self.charge_delays)
