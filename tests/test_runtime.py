@@ -448,6 +448,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         ("false", "off"), ("false", "specprefetch"), ("true", "off"), ("true", "specprefetch")}
     for r in got:
         assert float(r["tokens_per_s"]) > 0 and 0 <= float(r["ready_recall"]) <= 1 and r["tokens_match"] == "true"
+        assert float(r["bound_tokens_per_s"]) > 0 and len(r["tokens_sha256"]) == 64
         assert int(r["peak_cache_experts"]) <= int(r["capacity_experts"])
     # the matched experiment on the reference storage is main's runs (measured once, same repeat); the component
     # analysis pairs across compute_opt, so it runs whole in its own block

@@ -29,6 +29,7 @@ import csv
 import hashlib
 import json
 import logging
+import math
 import random
 from collections import defaultdict
 from collections.abc import Iterable
@@ -136,20 +137,19 @@ def tokens_sha256(tokens: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(tokens, separators=(",", ":")).encode()).hexdigest()
 
 
-def overlap_bound(res: RunResult, profile: dict[str, Any], storage: str) -> float:
-    """The run's roofline throughput (tok/s): every decoding layer takes ``max(compute, transfers)`` with perfect
-    overlap, where compute is the layer's measured all-resident time (``profile.json``'s compute profile: the
-    bookkeeping, prediction and expert compute, plus the gap to the next layer) and transfers are the loads this
-    run could not avoid (its demand loads and the prefetches its layer used) at the storage's measured per-expert
-    transfer time; plus the per-token head. NaN when the profile lacks the storage's transfer time."""
-    comp = profile.get("compute", {}).get("opt" if res.compute_opt else "loop")
-    t_ms = profile.get("transfer_ms", {}).get(storage, {}).get("transfer_ms")
-    if not comp or t_ms is None or not res.n_tokens:
+def overlap_bound(events: list[Any], comp: dict[str, Any] | None, transfer_ms: float | None) -> float:
+    """A run's roofline throughput (tok/s): every decoding layer takes ``max(compute, transfers)`` with perfect
+    overlap, where compute is the layer's measured all-resident time (a compute profile: bookkeeping, prediction and
+    expert compute, plus the gap to the next layer) and transfers are the loads this run could not avoid (its demand
+    loads and the prefetches its layer used) at the storage's measured per-expert transfer time; plus the per-token
+    head. NaN without a compute profile or transfer time. (The bound is optimistic: it takes the smaller of the
+    storage's isolated and in-runtime per-expert transfer times.)"""
+    if not comp or transfer_ms is None:
         return float("nan")
-    t = float(t_ms) * 1e-3
+    t = float(transfer_ms) * 1e-3
     per_layer = [b + m + g for b, m, g in zip(comp["book_s"], comp["moe_s"], comp["gap_s"])]
     total, steps = 0.0, set()
-    for ev in res.events:
+    for ev in events:
         if ev.n_tokens != 1 or ev.step == 0:
             continue  # prefill and the first token are not decoding time (decode.py)
         steps.add(ev.step)
@@ -157,6 +157,30 @@ def overlap_bound(res: RunResult, profile: dict[str, Any], storage: str) -> floa
         total += max(per_layer[ev.layer] if ev.layer < len(per_layer) else 0.0, loads * t)
     total += len(steps) * float(comp.get("head_s", 0.0))
     return len(steps) / total if total > 0 else float("nan")
+
+
+def set_bounds(rows: list[dict[str, Any]], events_of: dict[tuple[str, int, Signature], list[Any]],
+               profile: dict[str, Any], n_layers: int) -> None:
+    """Fill ``bound_tokens_per_s`` of every row (:func:`overlap_bound`). The compute of repeat ``r`` is the
+    all-resident run of the same repeat (measured in the same block, so the bound sees the host as the run did);
+    without one, and for ``compute_opt`` off, the window profile's compute profile. Transfer times: the window
+    profile's per storage (isolated and in the runtime; the smaller)."""
+    from specprefetch.runtime.window import compute_profile
+
+    resident = {r: compute_profile(evs, n_layers) for (exp, r, sig), evs in events_of.items()
+                if sig[0] == "resident" and sig[3]}
+    t_used = profile.get("transfer_ms_used") or {}
+    for row in rows:
+        sig = (row["policy"], row["storage"], int(row["m_max"]), bool(row["compute_opt"]))
+        evs = events_of.get((row["measured_in"], int(row["repeat"]), sig))
+        if evs is None:
+            continue
+        comp = resident.get(int(row["repeat"])) if row["compute_opt"] else None
+        comp = comp or profile.get("compute", {}).get("opt" if row["compute_opt"] else "loop")
+        times = [t for t in (t_used.get(row["storage"]),
+                             profile.get("transfer_ms", {}).get(row["storage"], {}).get("transfer_ms"))
+                 if t is not None and math.isfinite(t)]
+        row["bound_tokens_per_s"] = overlap_bound(evs, comp, min(times) if times else None)
 
 
 def run_row(res: RunResult, cfg: RunConfig, repeat: int, platform: str, model: str, layout: Any,
@@ -218,6 +242,7 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     rows: list[dict[str, Any]] = []
     measured: dict[tuple[str, int, Signature], dict[str, Any]] = {}
     routing: dict[str, Any] = {}
+    events_of: dict[tuple[str, int, Signature], list[Any]] = {}
     done = 0
     for exp, configs in plan.items():
         for r in range(repeats):
@@ -232,14 +257,16 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
                 if not match:
                     raise SpecPrefetchError(f"{model}: run {cfg.key} repeat {r} decoded other tokens than the plain "
                                             "model's greedy generate(); the offloaded runtime must not change outputs")
-                rows.append({**run_row(res, cfg, r, platform, model, harness.store.layout, match,
-                                       overlap_bound(res, profile, cfg.storage)), "run_order": pos})
+                rows.append({**run_row(res, cfg, r, platform, model, harness.store.layout, match, float("nan")),
+                             "run_order": pos})
                 measured[(exp, r, cfg.signature)] = rows[-1]
+                events_of[(exp, r, cfg.signature)] = res.events
                 if r == 0:  # routing and priorities are the same in every repeat (same tokens): record one
                     routing[cfg.key] = {"row": rows[-1], "events": recorded_routing(res), "repeats": [],
                                         "tokens": torch.tensor(res.tokens(), dtype=torch.int64)}
                 routing[cfg.key]["repeats"].append(rows[-1])
                 log.info("[%d/%d] %s r%d: %.2f tok/s", done, n_runs, cfg.key, r, res.tokens_per_s)
+    set_bounds(rows, events_of, profile, harness.store.n_layers)
     write_runs_csv(out_csv, rows)
     if routing_out is not None:
         save_tensor_tree(routing_out, {"model": model, "platform": platform, "capacity": harness.capacity,

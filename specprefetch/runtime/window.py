@@ -223,9 +223,9 @@ def per_layer_windows(events: list[LayerEvent]) -> dict[tuple[int, int], float]:
     return out
 
 
-def compute_profile(res: RunResult, n_layers: int) -> dict[str, Any]:
-    """Mean per-layer durations (s) of a run with every expert resident: the simulator's compute model."""
-    evs = [ev for ev in res.events if ev.n_tokens == 1]
+def compute_profile(events: list[LayerEvent], n_layers: int) -> dict[str, Any]:
+    """Mean per-layer durations (s) of a run's events with every expert resident: the simulator's compute model."""
+    evs = [ev for ev in events if ev.n_tokens == 1]
     by = {(ev.step, ev.layer): ev for ev in evs}
     book, pred, post, moe, gap = (defaultdict(list) for _ in range(5))
     head = []
@@ -381,8 +381,9 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
         "predictor_for_window": pred_policy, "emulated_profiles": emulated,
         "emulation_overshoot_ms": overshoot, "transfer_cpu_ms": cpu_ms,
         "physical_model": phys,
-        "compute": {"opt": compute_profile(resident, n_layers), "loop": compute_profile(resident_loop, n_layers),
-                    "pred": compute_profile(window_run, n_layers)},
+        "compute": {"opt": compute_profile(resident.events, n_layers),
+                    "loop": compute_profile(resident_loop.events, n_layers),
+                    "pred": compute_profile(window_run.events, n_layers)},
         "demand_fraction_over_window": {
             str(m): (sum(1 for r in event_rows if r["M"] == m and r["demand_ms"] > r["window_ms"])
                      / max(1, sum(1 for r in event_rows if r["M"] == m))) for m in demand_m},
