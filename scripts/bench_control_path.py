@@ -51,6 +51,9 @@ def adapter(d: int, n: int, r: int, n_layers: int = 4):
 
 
 def control_path_us(d: int, n: int, r: int, m_max: int, reps: int) -> dict[str, tuple[float, float, float]]:
+    from collections import defaultdict
+
+    from specprefetch.contracts import POLICY
     from specprefetch.runtime.cache import ExpertCache
     from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions
     from specprefetch.runtime.priority import PredictorPriority, select_prefetch
@@ -70,6 +73,7 @@ def control_path_us(d: int, n: int, r: int, m_max: int, reps: int) -> dict[str, 
     rt = OffloadedRuntime.__new__(OffloadedRuntime)
     rt.provider, rt.n_layers, rt.cache = prov, 4, cache
     rt.opt = RuntimeOptions(policy="pred0", m_max=m_max, capacity=4 * n)
+    rt.policy, rt.engine, rt.step, rt._issued = POLICY["pred0"], None, 1, defaultdict(list)
     ev = LayerEvent(step=1, layer=0, n_tokens=1, t_exec=0.0, required=[], hits=0, inflight=0, misses=0,
                     ready_pairs=0, t_ready=0.0, t_compute=0.0)
     return {

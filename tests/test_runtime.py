@@ -698,3 +698,16 @@ def test_benchmark_blocks_run_in_a_seeded_random_order() -> None:
     assert all(sorted(o, key=configs.index) == configs for o in orders)  # a permutation, nothing lost
     assert len({o[0].policy for o in orders}) > 1 and len({tuple(o) for o in orders}) > 1
     assert block_order(configs, 7, "main", 3) == orders[3] and block_order(configs, 8, "main", 3) != orders[3]
+
+
+def test_control_path_benchmark_script_runs() -> None:
+    """scripts/bench_control_path.py drives the runtime's own _predict_and_prefetch: it must keep up with it."""
+    import importlib.util
+
+    from specprefetch.config import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_control_path", REPO_ROOT / "scripts" / "bench_control_path.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.control_path_us(32, 16, 4, 4, reps=5)
+    assert set(res) == {"matmul", "scores", "select", "control"} and all(v[0] > 0 for v in res.values())
