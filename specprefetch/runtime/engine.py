@@ -223,10 +223,10 @@ class OffloadedRuntime:
     def _preload_all(self) -> None:
         keys = [(l, e) for l in range(self.n_layers) for e in range(self.n_experts)]
         self.cache.preload(keys)
-        for l in range(self.n_layers):
-            for e, rec in self.store.read_all(l):
-                slot = self.cache.slot((l, e))
-                self.pool.record(slot).copy_(torch.frombuffer(bytearray(rec), dtype=torch.uint8))
+        for l in range(self.n_layers):  # one read per layer file
+            records = self.store.layer_records(l)
+            for e in range(self.n_experts):
+                self.pool.record(self.cache.slot((l, e))).copy_(records[e])
 
     def stats(self, decode_only: bool = True) -> RunStats:
         st = summarize(self.events, self.top_k, decode_only)

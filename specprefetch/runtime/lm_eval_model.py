@@ -33,7 +33,7 @@ from lm_eval.models.huggingface import HFLM
 from specprefetch.contracts import POLICY
 from specprefetch.io import SpecPrefetchError, atomic_path
 from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions
-from specprefetch.runtime.paper_scale import install_store_experts, scale_of, widen_shared_experts
+from specprefetch.runtime.paper_scale import install_store_experts, match_store
 from specprefetch.runtime.storage import ExpertReader, make_profile
 from specprefetch.runtime.store import find_moe_blocks
 
@@ -76,9 +76,7 @@ class OffloadedLM(HFLM):
         if expert_store is None:
             expert_store = ExpertStore(store)
         spec = bundle.routing
-        scale = scale_of(expert_store)
-        if scale is not None:  # a paper-scale store: the shared experts are widened the same way
-            widen_shared_experts(find_moe_blocks(language_model(bundle.model), spec), scale)
+        match_store(find_moe_blocks(language_model(bundle.model), spec), expert_store)  # shared experts widened
         pol = POLICY[policy] if policy in POLICY else None
         if pol is None:
             raise SpecPrefetchError(f"specprefetch-offloaded: unknown policy {policy!r} ({', '.join(POLICY)})")

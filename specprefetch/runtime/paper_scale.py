@@ -172,13 +172,18 @@ def widen_shared_experts(blocks: list[Any], scale: ExpertScale) -> int:
     return n
 
 
+def match_store(blocks: list[Any], store: Any) -> None:
+    """Widen the shared experts the way ``store`` was widened (nothing for a store of the model's own experts)."""
+    scale = scale_of(store)
+    if scale is not None:
+        widen_shared_experts(blocks, scale)
+
+
 def install_store_experts(blocks: list[Any], store: Any, device: torch.device | str = "cpu") -> list[nn.Module]:
     """Make the model the plain model of ``store``: shared experts widened (a paper-scale store) and every MoE
     block's experts computed from the store's records, all resident (:class:`ResidentExperts`). Returns the experts
     modules it replaced (put them back to undo)."""
-    scale = scale_of(store)
-    if scale is not None:
-        widen_shared_experts(blocks, scale)
+    match_store(blocks, store)
     saved = []
     for b in blocks:
         saved.append(b.block.experts)

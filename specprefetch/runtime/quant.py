@@ -57,10 +57,6 @@ def pack(q: Tensor) -> Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
 
 
-def packed_bytes(n: int, k: int) -> int:
-    return n * k // 2
-
-
 def scales_shape(n: int, k: int, group_size: int) -> tuple[int, int, int]:
     return (k // group_size, n, 2)
 
@@ -70,9 +66,3 @@ def linear(x: Tensor, packed: Tensor, scales_and_zeros: Tensor, group_size: int)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), packed, group_size,
                                                       scales_and_zeros)
 
-
-def dequantize(q: Tensor, sz: Tensor, group_size: int) -> Tensor:
-    """The float weights the kernel computes with (tests, and the bound of the quantization error)."""
-    scale = sz[..., 0].float().repeat_interleave(group_size, dim=0).T
-    zero = sz[..., 1].float().repeat_interleave(group_size, dim=0).T
-    return (q.float() - 8.0) * scale + zero

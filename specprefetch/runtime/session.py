@@ -21,7 +21,7 @@ from specprefetch.contracts import POLICY
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.decode import Generation, Prompt, greedy_generate
 from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions, install_offloaded
-from specprefetch.runtime.paper_scale import install_store_experts, scale_of, widen_shared_experts
+from specprefetch.runtime.paper_scale import install_store_experts, match_store
 from specprefetch.runtime.priority import PreviousTokenPriority, PriorityProvider
 from specprefetch.runtime.storage import ExpertReader, StorageProfile, make_profile
 from specprefetch.runtime.store import ExpertStore, find_moe_blocks
@@ -74,9 +74,7 @@ class Harness:
         self.tokenizer = tokenizer
         self.blocks = find_moe_blocks(model, spec)
         store.check_model(self.blocks)
-        scale = scale_of(store)
-        if scale is not None:  # the paper-scale store: shared experts widened the same way (resident)
-            widen_shared_experts(self.blocks, scale)
+        match_store(self.blocks, store)  # a paper-scale store: shared experts widened the same way (resident)
         self.originals = install_offloaded(self.blocks)  # fused experts leave the model (never reach the GPU)
         if self.device.type == "cuda":
             model.to(self.device)

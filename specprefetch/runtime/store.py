@@ -159,10 +159,6 @@ class RecordLayout:
         if self.model_hidden > self.hidden:
             raise StoreError(f"stored hidden width {self.hidden} < the model's {self.model_hidden}")
 
-    @cached_property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
     @property
     def padded(self) -> bool:
         return bool(self.model_hidden) and self.model_hidden != self.hidden
@@ -185,18 +181,6 @@ class RecordLayout:
             out.append(Part(name, off, n, tuple(shape), dt))
             off = _align(off + n, SUB_ALIGNMENT)
         return tuple(out)
-
-    @cached_property
-    def gate_up_bytes(self) -> int:
-        return self.parts[0].nbytes
-
-    @cached_property
-    def down_offset(self) -> int:
-        return next(p.offset for p in self.parts if p.name == "down")
-
-    @cached_property
-    def down_bytes(self) -> int:
-        return next(p.nbytes for p in self.parts if p.name == "down")
 
     @cached_property
     def payload_bytes(self) -> int:
@@ -240,10 +224,8 @@ class RecordLayout:
     def mlp(self, weights: tuple[Tensor, ...], x: Tensor, act_fn: Any) -> Tensor:
         """One expert's SwiGLU MLP on rows ``x [n, model_hidden]`` (same op order as transformers' eager loop for
         an unpadded dense record, so the result is bit-identical to it)."""
-        if self.padded or x.dtype != self.dtype and self.quant == "none":
-            xi = F.pad(x.to(self.dtype), (0, self.hidden - x.shape[-1]))
-        else:
-            xi = x
+        needs_cast = self.quant == "none" and x.dtype != self.dtype  # the int4 kernel casts to bf16 itself
+        xi = F.pad(x.to(self.dtype), (0, self.hidden - x.shape[-1])) if self.padded or needs_cast else x
         if self.quant == "none":
             gu, dn = weights
             gate, up = F.linear(xi, gu).chunk(2, dim=-1)
