@@ -211,17 +211,6 @@ def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
             raise ConfigError(f"invalid config key '{key}.hub_id': required when source is 'hub'")
         if m["source"] == "local":
             _check_path(m.get("path"), f"{key}.path", base_dir)
-        if m["arch"] == "deepseek_vl2" and not m["trust_remote_code"]:
-            raise ConfigError(
-                f"invalid config key '{key}.trust_remote_code': DeepSeek-VL2 runs its own repository code; "
-                "opt in with trust_remote_code: true and a pinned revision"
-            )
-        if m["trust_remote_code"] and not re.fullmatch(r"[0-9a-f]{40}", str(m["revision"])):
-            raise ConfigError(
-                f"invalid config key '{key}.revision': trust_remote_code runs the checkpoint repository's code, so "
-                f"its revision must be a full 40-hex commit hash, not {m.get('revision')!r} (a branch or tag can "
-                "move to other code)"
-            )
         for i, b in enumerate(cfg["recall"]["budgets"]):
             value = resolve_budget(b, m["top_k"])
             if value < 1:

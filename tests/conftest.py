@@ -2,7 +2,9 @@
 
 Both are built from scratch here (no dependency on the data package's generators), so any test file can use
 them: ``tiny_tokenizer_dir`` (a ``save_pretrained`` directory), ``tiny_corpus_dir`` (``samples.jsonl`` +
-``images/*.png`` + ``manifest.json`` with the workload format), ``smoke_cfg`` (the validated smoke profile).
+``images/*.png`` + ``manifest.json`` with the workload format), ``smoke_cfg`` (the validated smoke profile),
+``hub_mirror`` (a Hugging Face cache holding the paper's benchmarks and a tiny Qwen3-VL-MoE under their hub ids;
+see tests/hub_mirror.py).
 """
 
 from __future__ import annotations
@@ -102,6 +104,16 @@ def tiny_tokenizer(tiny_tokenizer_dir: Path) -> Any:
 @pytest.fixture(scope="session")
 def tiny_corpus_dir(tmp_path_factory: pytest.TempPathFactory, smoke_cfg: dict[str, Any]) -> Path:
     return write_tiny_workload(tmp_path_factory.mktemp("corpus") / "corpus", 24, smoke_cfg["image"]["size"], seed=1)
+
+
+@pytest.fixture(scope="session")
+def hub_mirror(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A local hub mirror (``HF_HOME`` layout), written at test time by a fresh interpreter: ``env`` (the
+    variables that point a process at it, offline), ``config_overrides`` / ``override_file`` (the paper
+    profile's ``models.*`` keys of the tiny checkpoints), ``hf_home``, ``benchmarks``, ``models``."""
+    from hub_mirror import write_hub_mirror_isolated
+
+    return write_hub_mirror_isolated(tmp_path_factory.mktemp("hf_home"))
 
 
 @pytest.fixture(scope="module")

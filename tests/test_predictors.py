@@ -531,3 +531,152 @@ def test_multi_process_training_with_torchrun(cfg: dict, corpus: Path, tmp_path:
     assert load_predictor(out).trainable_params() == meta["trainable_params"]
     assert (res.stdout + res.stderr).count("saved specprefetch predictor") == 1  # rank 0 writes, rank 1 does not
     assert not list(tmp_path.glob(".ddp*"))  # no temporaries or checkpoints left behind
+
+
+# --------------------------------------------------------------------------------------------- precision, DeepSpeed
+
+
+def test_cpu_bf16_is_autocast(cfg: dict, corpus: Path, tmp_path: Path) -> None:
+    """precision bf16 on CPU trains under torch's CPU autocast (bf16 matmuls, fp32 weights); auto stays fp32."""
+    from specprefetch.predictors.train import resolve_precision
+
+    assert resolve_precision("bf16") == "bf16" and resolve_precision("auto") == "fp32"  # no CUDA in this test
+    bf16 = copy.deepcopy(cfg)
+    bf16["predictors"]["training"].update(precision="bf16", epochs=0.2)
+    meta = train_predictor(bf16, MODEL, "specprefetch", corpus, tmp_path / "bf16")
+    assert meta["training"]["precision"] == "bf16"
+    assert meta["training"]["compute"] == {"autocast": True, "autocast_dtype": "bfloat16", "output_dtype": "bfloat16",
+                                           "param_dtype": "float32", "device": "cpu"}
+    assert load_predictor(tmp_path / "bf16").B.dtype == torch.float32
+    assert meta["training"]["distributed"]["deepspeed"] is None
+    fp32 = copy.deepcopy(bf16)
+    fp32["predictors"]["training"]["precision"] = "fp32"
+    meta = train_predictor(fp32, MODEL, "specprefetch", corpus, tmp_path / "fp32")
+    assert meta["training"]["compute"]["autocast"] is False and meta["training"]["compute"]["output_dtype"] == "float32"
+
+
+def test_deepspeed_settings_follow_the_training_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """config/deepspeed_zero2.json leaves the recipe to predictors.training ("auto"), precision fills its
+    torch_autocast; a DeepSpeed scheduler or bf16-weights mode is refused; without a launcher it is ignored (one
+    warning), under one a missing deepspeed is one clear error."""
+    import importlib.util
+
+    import specprefetch.predictors.train as train_mod
+    from specprefetch.predictors.train import deepspeed_config_path, deepspeed_settings
+
+    path = REPO / "config" / "deepspeed_zero2.json"
+    raw = json.loads(path.read_text())
+    assert raw["zero_optimization"]["stage"] == 2 and "scheduler" not in raw
+    assert raw["optimizer"]["params"] == {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto",
+                                          "torch_adam": True}
+    assert all(raw[k] == "auto" for k in ("gradient_clipping", "gradient_accumulation_steps",
+                                          "train_micro_batch_size_per_gpu", "train_batch_size"))
+    assert deepspeed_settings(path, "bf16")["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    assert deepspeed_settings(path, "fp32")["torch_autocast"]["enabled"] is False
+    assert deepspeed_settings(path, "bf16")["bf16"] == {"enabled": False}
+    for bad, match in ((dict(raw, scheduler={"type": "WarmupCosineLR"}), "scheduler"),
+                       (dict(raw, bf16={"enabled": True}), "bf16.enabled"),
+                       (dict(raw, torch_autocast={"enabled": False}), "torch_autocast.enabled")):
+        (tmp_path / "ds.json").write_text(json.dumps(bad))
+        with pytest.raises(SpecPrefetchError, match=match):
+            deepspeed_settings(tmp_path / "ds.json", "bf16")
+    tcfg = {"deepspeed_config": "config/deepspeed_zero2.json"}
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with caplog.at_level("WARNING", logger=train_mod.__name__):
+        assert deepspeed_config_path(tcfg) is None
+    assert "not started by a distributed launcher" in caplog.text
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    if importlib.util.find_spec("deepspeed") is not None:
+        assert deepspeed_config_path(tcfg) == path
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(SpecPrefetchError, match=r"pip install 'specprefetch\[deepspeed\]'"):
+        deepspeed_config_path(tcfg)
+
+
+def test_deepspeed_zero2_online_training_over_gloo(smoke_cfg: dict, stand_in_dir: Path, tiny_corpus_dir: Path,
+                                                   tmp_path: Path) -> None:
+    """The paper's recipe (config/paper.yaml predictors.training: online, AdamW lr 1e-4, cosine with 3 % warmup,
+    clipping 0.5, bf16, DeepSpeed ZeRO-2 from config/deepspeed_zero2.json) on CPU: two torchrun processes, ZeRO-2
+    over gloo, bf16 autocast; rank 0 writes a predictor that loads back, equal on both ranks and better than init."""
+    import importlib.util
+    import math
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    from transformers import get_cosine_schedule_with_warmup
+
+    from specprefetch.predictors.train import state_digest
+    from specprefetch.traces.extract import extract_traces
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed (the deepspeed extra: pip install 'specprefetch[deepspeed]')")
+    paper = load_config(REPO / "config" / "paper.yaml")["predictors"]["training"]
+    assert (paper["source"], paper["precision"], paper["deepspeed_config"]) == (
+        "online", "bf16", "config/deepspeed_zero2.json")
+    cfg = copy.deepcopy(smoke_cfg)
+    recipe = {k: paper[k] for k in ("source", "epochs", "lr", "betas", "eps", "weight_decay", "scheduler",
+                                    "warmup_ratio", "max_grad_norm", "precision", "seed", "deepspeed_config")}
+    # the tiny corpus in several batches; one DeepSpeed checkpoint on the way (removed after success)
+    cfg["predictors"]["training"].update(recipe, batch_tokens=128, checkpoint_steps=4)
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    out = tmp_path / "zero2"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "specprefetch", "train-predictor", "--config", str(cfg_path), "--model", MODEL,
+                          "--method", "specprefetch", "--model-dir", str(stand_in_dir), "--corpus",
+                          str(tiny_corpus_dir), "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert log.count("saved specprefetch predictor") == 1  # rank 0 writes, rank 1 does not
+    assert not list(tmp_path.glob(".zero2*"))  # no temporaries, and the checkpoints are removed after success
+    meta = json.loads((out / "meta.json").read_text())
+    t = meta["training"]
+    steps = t["steps"]
+    assert t["source"] == "online" and t["precision"] == "bf16" and t["world_size"] == 2 and steps >= 4
+    # bf16 is autocast on CPU: bf16 compute, fp32 weights (DeepSpeed's torch_autocast, not its bf16 weights)
+    assert t["compute"] == {"autocast": True, "autocast_dtype": "bfloat16", "output_dtype": "bfloat16",
+                            "param_dtype": "float32", "device": "cpu"}
+    d = t["distributed"]
+    ds = d["deepspeed"]
+    assert d["backend"] == "gloo" and ds["zero_stage"] == 2 and ds["config"].endswith("config/deepspeed_zero2.json")
+    assert ds["torch_autocast"] and ds["torch_autocast_dtype"] == "bfloat16" and not ds["bf16_weights"]
+    assert ds["accelerator"] == "CPU_Accelerator"
+    # the recipe is what DeepSpeed ran: its optimizer, hyper-parameters, clipping and batch sizes read back
+    assert ds["optimizer"] == "DeepSpeedZeroOptimizer" and ds["base_optimizer"] == "torch.optim.adamw.AdamW"
+    assert ds["optimizer_hparams"] == {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    assert ds["gradient_clipping"] == 0.5
+    assert (ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"]) == (1, 2)
+    # ZeRO-2 partitions the optimizer state: each rank holds about half of Adam's moments
+    held, n = ds["optimizer_state_numel_by_rank"], ds["trainable_numel"]
+    assert n == meta["trainable_params"] and n <= sum(held) < n + 64 and all(h <= n // 2 + 32 for h in held), held
+    # the schedule is the Trainer's cosine with 3 % linear warmup at lr 1e-4, step by step
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=paper["lr"])
+    sched = get_cosine_schedule_with_warmup(opt, math.ceil(paper["warmup_ratio"] * steps), steps)
+    expected = []
+    for _ in range(steps):
+        expected.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert len(t["lr_curve"]) == len(meta["loss_curve"]) == steps
+    assert t["lr_curve"] == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    # both ranks end with the same weights, and those are what was saved; it loads back, trained
+    p = load_predictor(out)
+    assert len(d["param_sha256_by_rank"]) == 2 and set(d["param_sha256_by_rank"]) == {state_digest(p)}
+    assert p.trainable_params() == meta["trainable_params"] and p.B.dtype == torch.float32
+    assert p.B.abs().max() > 0  # B starts at zero (uniform prediction): training moved it
+    trace = tmp_path / "trace"
+    extract_traces(cfg, MODEL, stand_in_dir, tiny_corpus_dir, trace)
+    init = load_predictor(out)
+    with torch.no_grad():
+        init.B.zero_()  # the initial predictor's output (B = 0: uniform over the experts)
+    batches = list(iter_trace_batches(TraceReader(trace), 10_000))
+    with torch.no_grad():
+        trained_kl = sum(float(next_layer_kl(p(b), b["logits"])) for b in batches)
+        init_kl = sum(float(next_layer_kl(init(b), b["logits"])) for b in batches)
+    assert trained_kl < init_kl, (trained_kl, init_kl)

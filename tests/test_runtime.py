@@ -58,6 +58,17 @@ def tiny_deepseek() -> Any:
     return model
 
 
+def tiny_deepseek_vl2() -> Any:
+    """Our DeepSeek-VL2 (multi-head attention, as DeepSeek-VL2-Tiny), text-only prompts."""
+    from specprefetch.models.deepseek_vl2 import DeepseekVL2ForCausalLM
+    from tests.test_deepseek_vl2 import tiny_config
+
+    torch.manual_seed(2)
+    model = DeepseekVL2ForCausalLM(tiny_config(vocab_size=VOCAB, n_routed_experts=12)).eval()
+    model.language.set_experts_implementation("eager")
+    return model
+
+
 def random_adapter(spec: Any, seed: int = 0) -> Any:
     """A SpecPrefetch adapter with random (non-zero) weights: some ranking, not a trained one."""
     from specprefetch.predictors.base import PredictorDims, build_predictor
@@ -81,11 +92,11 @@ def provider_for(policy: str, spec: Any) -> Any:
     return None
 
 
-@pytest.fixture(scope="module", params=["qwen", "deepseek"])
+@pytest.fixture(scope="module", params=["qwen", "deepseek", "deepseek_vl2"])
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from specprefetch.models.routing import discover_routing
 
-    model = tiny_qwen() if request.param == "qwen" else tiny_deepseek()
+    model = {"qwen": tiny_qwen, "deepseek": tiny_deepseek, "deepseek_vl2": tiny_deepseek_vl2}[request.param]()
     spec = discover_routing(model)
     store = ExpertStore(build_expert_store(model, tmp_path_factory.mktemp("store") / "experts", model_name="t"))
     torch.manual_seed(5)

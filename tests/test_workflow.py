@@ -49,7 +49,7 @@ EXPECTED = {
     "config/config.yaml": {**COMMON, **STAND_INS, **traces(1, 2 + 2 * 2)},  # simulator: gsm8k, chartqa
     "config/smoke.yaml": {**COMMON, **STAND_INS, **traces(2, 2 + 2 * 1)},
     # hub checkpoints: no tokenizer, no stand-in pretraining; predictors train online (no corpus traces);
-    # the runtime benchmarks Qwen3-VL-30B-A3B only
+    # the runtime benchmarks DeepSeek-VL2-Tiny only (4-bit experts, as the paper)
     "config/paper.yaml": {**COMMON, **traces(8, 1, corpus=False), **{r: 1 for r in DEVICE_RULES}},
 }
 

@@ -2,7 +2,8 @@
 
 The paper trains predictors on "a heterogeneous multimodal instruction corpus" and evaluates on disjoint
 benchmarks. Here the corpus mixes the synthetic generators (with seeds derived from the corpus seed, never a
-workload's) and Python-stdlib code and prose, in the proportions of ``train_corpus.mixture``.
+workload's) and Python-stdlib code and prose, in the proportions of ``train_corpus.mixture``, and/or real instruction
+datasets from the hub (``train_corpus.hub``, :mod:`specprefetch.data.hub_corpus`), all weights taken together.
 :func:`check_disjoint` proves by hashing that no corpus sample's text or image appears in an evaluation workload.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 from tqdm import tqdm
 
 from specprefetch.data.generators import GENERATORS
+from specprefetch.data.hub_corpus import hub_corpus_drafts, hub_keys
 from specprefetch.data.workloads import Draft, Sample, assemble, read_workload, write_workload
 from specprefetch.io import SpecPrefetchError, provenance, sha256_file
 
@@ -97,7 +100,9 @@ def prepare_train_corpus(cfg: dict[str, Any], out_dir: Path) -> None:
     tc = cfg["train_corpus"]
     seed, n = int(tc["seed"]), int(tc["n_samples"])
     size = int(cfg["image"]["size"])
-    counts = mixture_counts(tc["mixture"], n)
+    mixture, hub = dict(tc.get("mixture") or {}), list(tc.get("hub") or [])
+    keys = hub_keys(hub)
+    counts = mixture_counts({**mixture, **{k: float(e["weight"]) for k, e in zip(keys, hub)}}, n)
     log.info("corpus: %d samples, mixture %s", n, counts)
     parts: dict[str, list[tuple[Draft, str]]] = {}
     for source in STDLIB_SOURCES:
@@ -109,7 +114,7 @@ def prepare_train_corpus(cfg: dict[str, Any], out_dir: Path) -> None:
                 log.warning("corpus: the stdlib has only %d %s items (wanted %d); the synthetic sources make up "
                             "the difference", len(drafts), source, counts[source])
     shortfall = sum(counts[s] - len(parts[s]) for s in parts)
-    synth = {k: v for k, v in tc["mixture"].items() if k in GENERATORS}
+    synth = {k: v for k, v in mixture.items() if k in GENERATORS}
     if shortfall and not synth:
         raise SpecPrefetchError(f"train_corpus: the stdlib sources yield {n - shortfall} of {n} samples and the "
                                 "mixture has no synthetic source to make up the difference")
@@ -120,14 +125,30 @@ def prepare_train_corpus(cfg: dict[str, Any], out_dir: Path) -> None:
         if want:
             g_seed = derived_seed(seed, gen, _workload_seeds(cfg, gen))
             parts[gen] = synth_drafts(gen, g_seed, want, size, avoid)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".corpus-images-", dir=out_dir.parent) as spill:
+        _write_corpus(cfg, out_dir, parts, hub, keys, counts, Path(spill))
+
+
+def _write_corpus(cfg: dict[str, Any], out_dir: Path, parts: dict[str, list[tuple[Draft, str]]],
+                  hub: list[dict[str, Any]], keys: list[str], counts: dict[str, int], spill: Path) -> None:
+    """Add the hub datasets' drafts (their images spilled to files under ``spill``), shuffle, write."""
+    tc = cfg["train_corpus"]
+    seed = int(tc["seed"])
+    hub_prov: list[dict[str, Any]] = []
+    if hub:  # real instruction datasets; check_disjoint proves them disjoint from the workloads like the rest
+        hub_parts, hub_prov = hub_corpus_drafts(hub, counts, {k: derived_seed(seed, k, set()) for k in keys}, spill)
+        parts.update(hub_parts)
     ordered = [item for source in sorted(parts) for item in parts[source]]
     random.Random(f"specprefetch/corpus-order/{seed}").shuffle(ordered)
     drafts = [Draft(prompt=d.prompt, reference=d.reference, image=d.image,
                     meta={k: v for k, v in d.meta.items() if k != "source"}) for d, _ in ordered]
     samples, images = assemble(drafts, CORPUS, CORPUS, "train", lambda i: ordered[i][1])
     realised = {source: len(items) for source, items in sorted(parts.items())}
-    prov = provenance({"train_corpus": tc, "image": cfg["image"]}, seed=seed, mixture_counts=realised)
-    write_workload(Path(out_dir), samples, images, "corpus", seed, prov, name=CORPUS)
+    prov = provenance({"train_corpus": tc, "image": cfg["image"]}, seed=seed, mixture_counts=realised,
+                      **({"hub": hub_prov} if hub else {}))
+    write_workload(out_dir, samples, images, "corpus", seed, prov, name=CORPUS)
 
 
 # ------------------------------------------------------------------------------------------ disjointness

@@ -10,6 +10,7 @@ use a local copy.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import re
@@ -41,15 +42,22 @@ FORMAT_COLUMNS = {  # checked in this order
 }
 
 
-def detect_format(dataset_path: str, columns: list[str] | set[str]) -> str:
-    """Which benchmark mapping applies: by known hub path, else by the record's columns."""
-    fmt = KNOWN_PATHS.get(dataset_path.lower())
+def schema_of(dataset_path: str, columns: list[str] | set[str], known: dict[str, str],
+              formats: dict[str, set[str]]) -> str | None:
+    """A dataset's schema: by its known hub path, else the first of ``formats`` whose columns it has (None: none)."""
+    fmt = known.get(dataset_path.lower())
     if fmt:
         return fmt
     cols = set(columns)
-    for fmt, needed in FORMAT_COLUMNS.items():
-        if needed <= cols:
-            return fmt
+    return next((name for name, needed in formats.items() if needed <= cols), None)
+
+
+def detect_format(dataset_path: str, columns: list[str] | set[str]) -> str:
+    """Which benchmark mapping applies: by known hub path, else by the record's columns."""
+    fmt = schema_of(dataset_path, columns, KNOWN_PATHS, FORMAT_COLUMNS)
+    if fmt:
+        return fmt
+    cols = set(columns)
     raise SpecPrefetchError(
         f"hub dataset {dataset_path!r}: columns {sorted(cols)} match no supported benchmark "
         f"(GSM8K question/answer, HumanEval prompt/canonical_solution, OCRBench question/answer/image, "
@@ -109,7 +117,7 @@ def map_humaneval(rec: dict[str, Any], fmt: Formatter | None = None) -> Draft:
 def map_ocrbench(rec: dict[str, Any], fmt: Formatter | None = None) -> Draft:
     answers = rec["answer"] if isinstance(rec["answer"], (list, tuple)) else [rec["answer"]]
     answers = [str(a) for a in answers]
-    prompt = fmt(rec) if fmt else rec["question"]
+    prompt = fmt(rec) if fmt else str(rec["question"]).strip()  # lmms-eval's ocrbench_doc_to_text strips it
     meta = {"answer": answers[0] if answers else "", "answers": answers,
             "question_type": str(rec.get("question_type", "")), "dataset": str(rec.get("dataset", ""))}
     return Draft(prompt=strip_image_placeholders(prompt), reference=answers[0] if answers else "", meta=meta,
@@ -149,8 +157,11 @@ MAPPERS: dict[str, Callable[[dict[str, Any], Formatter | None], Draft]] = {
 def offline_help(name: str) -> str:
     return (
         "To use a local copy instead: (1) on a machine with network, load the dataset once with "
-        "datasets.load_dataset(...) (or `huggingface-cli download --repo-type dataset ...`) and then run with "
-        "HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 so the cached copy is read; or (2) set "
+        "datasets.load_dataset(...) into the same HF_HOME and then run with HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 "
+        "so the cached copy is read (offline, datasets reads only the processed cache that load_dataset writes, "
+        "HF_HOME/datasets/<org>___<name>/; `hf download` fills only HF_HOME/hub, which it does not read offline); "
+        f"or (2) `hf download --repo-type dataset <path> --local-dir DIR` and set `workloads.{name}.dataset.path: "
+        "DIR` (lm_eval_task still loads the hub id: drop it, or keep the cache of (1)); or (3) set "
         f"`workloads.{name}.generator: local` with `path:` a JSONL in the specprefetch workload format "
         "(keys id, benchmark, prompt, reference, image, split, source, meta; images relative to the JSONL).")
 
@@ -170,21 +181,33 @@ def load_hub_dataset(name: str, spec: dict[str, Any]) -> Any:
             f"The Hugging Face hub may be unreachable. {offline_help(name)}") from None
 
 
+@functools.lru_cache(maxsize=1)
+def _task_manager() -> Any:
+    """lm-eval's task index, built once per process (indexing its registry takes ~10 s)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
+
+
 def lm_eval_formatter(task_name: str, workload: str) -> Formatter:
     """The harness task's own ``doc_to_text`` (lm-eval builds the task, loading its dataset through the cache)."""
     try:
-        from lm_eval.tasks import TaskManager
+        tm = _task_manager()
     except ImportError as exc:
         raise SpecPrefetchError(f"workload {workload!r}: lm_eval_task needs lm-eval ({exc})") from None
-    tm = TaskManager()
     if task_name not in tm.all_subtasks:
         raise SpecPrefetchError(f"invalid config key 'workloads.{workload}.lm_eval_task': lm-eval has no task "
                                 f"{task_name!r}")
+    from specprefetch.data.lm_eval_tasks import allow_code_eval
+
+    allow_code_eval()  # building humaneval builds its code_eval metric
     try:
         task = tm.load([task_name])["tasks"][task_name]
     except Exception as exc:  # noqa: BLE001 - lm-eval downloads the task's dataset; failures vary
         raise SpecPrefetchError(
             f"workload {workload!r}: lm-eval could not build task {task_name!r}: {type(exc).__name__}: {exc}. "
+            "lm-eval also builds the task's metrics: humaneval's imports `evaluate.load('code_eval')` (a hub "
+            "module, cached under HF_HOME/modules), refused when HF_ALLOW_CODE_EVAL is 0. "
             f"{offline_help(workload)} (or drop lm_eval_task to use the raw question as prompt)") from None
 
     def fmt(doc: dict[str, Any]) -> str:
@@ -194,6 +217,22 @@ def lm_eval_formatter(task_name: str, workload: str) -> Formatter:
         return strip_image_placeholders(text)
 
     return fmt
+
+
+def class_label_columns(ds: Any) -> dict[str, Any]:
+    """Columns stored as ``ClassLabel`` (ChartQA's ``human_or_machine``): records hold their integer index."""
+    from datasets import ClassLabel
+
+    return {c: f for c, f in (getattr(ds, "features", None) or {}).items() if isinstance(f, ClassLabel)}
+
+
+def name_class_labels(draft: Draft, labels: dict[str, Any]) -> Draft:
+    """Meta values copied from ``ClassLabel`` columns as their names (0 -> "human"; -1, no label, -> None)."""
+    for col, feature in labels.items():
+        v = draft.meta.get(col)
+        if isinstance(v, int) and not isinstance(v, bool):
+            draft.meta[col] = feature.int2str(v) if v >= 0 else None
+    return draft
 
 
 def hub_drafts(name: str, w: dict[str, Any], seed: int) -> tuple[list[Draft], str]:
@@ -206,10 +245,11 @@ def hub_drafts(name: str, w: dict[str, Any], seed: int) -> tuple[list[Draft], st
     fmt = lm_eval_formatter(w["lm_eval_task"], name) if w.get("lm_eval_task") else None
     order = seeded_order(len(ds), w.get("n_samples"), seed) if w.get("n_samples") else list(range(len(ds)))
     mapper = MAPPERS[fmt_name]
+    labels = class_label_columns(ds)
     drafts = []
     for i in tqdm(order, desc=name, disable=None, leave=False):
         try:
-            drafts.append(mapper(ds[i], fmt))
+            drafts.append(name_class_labels(mapper(ds[i], fmt), labels))
         except KeyError as exc:
             raise SpecPrefetchError(f"workload {name!r}: record {i} of {spec['path']!r} lacks column {exc}") from None
     fingerprint = getattr(ds, "_fingerprint", "unknown")

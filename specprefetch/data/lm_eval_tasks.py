@@ -7,6 +7,8 @@ prompts whose routing traces the pipeline records.
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,16 @@ import yaml
 from specprefetch.io import SpecPrefetchError
 
 TASK_DIR = "lm_eval"
+log = logging.getLogger(__name__)
+
+
+def allow_code_eval() -> None:
+    """Let lm-eval's code-execution tasks build and score: HumanEval's ``code_eval`` metric (a hub module) refuses
+    unless ``HF_ALLOW_CODE_EVAL=1``. The profile names the task (``lm_eval_task: humaneval``), so running the
+    generated programs is what was asked for; set ``HF_ALLOW_CODE_EVAL=0`` to refuse instead."""
+    if "HF_ALLOW_CODE_EVAL" not in os.environ:
+        log.info("HF_ALLOW_CODE_EVAL=1 for this process: lm-eval's code-execution tasks run the generated programs")
+        os.environ["HF_ALLOW_CODE_EVAL"] = "1"
 
 
 def task_config(task_name: str, samples_file: Path, workload: str) -> dict[str, Any]:

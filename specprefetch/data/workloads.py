@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -162,12 +163,13 @@ def read_workload(root: Path, verify: bool = True) -> list[Sample]:
 
 
 # ------------------------------------------------------------------------------------------ writing
-def write_workload(out_dir: Path, samples: Sequence[Sample], images: Mapping[str, bytes], generator: str,
+def write_workload(out_dir: Path, samples: Sequence[Sample], images: Mapping[str, bytes | Path], generator: str,
                    seed: int | None, provenance: dict[str, Any], lm_eval_task: str | None = None,
                    name: str | None = None) -> Path:
     """Write a workload directory atomically: images, samples.jsonl, optional lm-eval task, manifest last.
 
-    ``images`` maps each sample's relative image path to its PNG bytes; both sides must match exactly.
+    ``images`` maps each sample's relative image path to its PNG bytes (or a file holding them); both sides must
+    match exactly.
     """
     out_dir = Path(out_dir)
     name = name or out_dir.name
@@ -176,7 +178,10 @@ def write_workload(out_dir: Path, samples: Sequence[Sample], images: Mapping[str
         for rel, data in sorted(images.items()):
             dest = tmp / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(data)
+            if isinstance(data, Path):  # PNG bytes spilled to a file (a large corpus never holds them all)
+                shutil.copyfile(data, dest)
+            else:
+                dest.write_bytes(data)
         with open(tmp / SAMPLES_FILE, "w", encoding="utf-8", newline="\n") as f:
             for s in samples:
                 f.write(s.to_line() + "\n")
@@ -202,7 +207,7 @@ def write_workload(out_dir: Path, samples: Sequence[Sample], images: Mapping[str
     return out_dir
 
 
-def _check_consistent(samples: Sequence[Sample], images: Mapping[str, bytes], out_dir: Path) -> None:
+def _check_consistent(samples: Sequence[Sample], images: Mapping[str, bytes | Path], out_dir: Path) -> None:
     ids: set[str] = set()
     referenced: set[str] = set()
     for i, s in enumerate(samples):
@@ -219,22 +224,25 @@ def _check_consistent(samples: Sequence[Sample], images: Mapping[str, bytes], ou
     if extra:
         raise WorkloadError(f"{out_dir}: images not referenced by any sample: {extra[:3]}")
     for rel, data in images.items():
+        if isinstance(data, Path):
+            with open(data, "rb") as f:
+                data = f.read(len(PNG_SIGNATURE))
         if not data.startswith(PNG_SIGNATURE):
             raise WorkloadError(f"{out_dir}/{rel}: not PNG bytes")
 
 
 def assemble(drafts: Sequence[Draft], prefix: str, benchmark: str, split: str,
-             source: str | Callable[[int], str]) -> tuple[list[Sample], dict[str, bytes]]:
+             source: str | Callable[[int], str]) -> tuple[list[Sample], dict[str, bytes | Path]]:
     """Assign ids ("{prefix}-00007"), image paths ("images/00007.png") and sources to generated drafts."""
     from specprefetch.data.imaging import png_bytes
 
     samples: list[Sample] = []
-    images: dict[str, bytes] = {}
+    images: dict[str, bytes | Path] = {}
     for i, d in enumerate(drafts):
         rel = None
         if d.image is not None:
             rel = f"{IMAGES_DIR}/{i:05d}.png"
-            images[rel] = d.image if isinstance(d.image, bytes) else png_bytes(d.image)
+            images[rel] = d.image if isinstance(d.image, (bytes, Path)) else png_bytes(d.image)
         src = source(i) if callable(source) else source
         samples.append(Sample(id=f"{prefix}-{i:05d}", benchmark=benchmark, prompt=d.prompt, reference=d.reference,
                               image=rel, split=split, source=src, meta=dict(d.meta)))

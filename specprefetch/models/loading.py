@@ -191,7 +191,7 @@ def check_local_checkpoint(local: Path, mcfg: dict[str, Any], name: str) -> None
 
 
 def _load_hf_bundle(name: str, mcfg: dict[str, Any], local: Path | None, device: torch.device) -> ModelBundle:
-    """A transformers checkpoint (hub id or local copy). DeepSeek-VL2 runs its repository code, opt-in only."""
+    """A transformers checkpoint (hub id or local copy); DeepSeek-VL2 in the official layout, by our own classes."""
     from safetensors import SafetensorError
 
     arch = mcfg["arch"]
@@ -211,10 +211,10 @@ def _load_hf_bundle(name: str, mcfg: dict[str, Any], local: Path | None, device:
             from transformers import AutoProcessor, Qwen3VLMoeForConditionalGeneration
 
             model = Qwen3VLMoeForConditionalGeneration.from_pretrained(where, **common)
-            processor = AutoProcessor.from_pretrained(where, revision=common.get("revision"))
+            processor = _qwen3_vl_processor(where, common.get("revision"), AutoProcessor)
             tokenizer, image_processor = processor.tokenizer, processor.image_processor
         elif arch == "deepseek_vl2":
-            model, processor = _load_deepseek_vl2(name, mcfg, where, common)
+            model, processor = _load_deepseek_vl2(name, mcfg, local, common)
             tokenizer, image_processor = processor.tokenizer, processor
         elif arch in TEXT_ONLY_ARCHS:
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -231,7 +231,7 @@ def _load_hf_bundle(name: str, mcfg: dict[str, Any], local: Path | None, device:
         if isinstance(exc, RuntimeError):
             raise
         raise _hub_error(mcfg, name, exc) from exc
-    if "device_map" not in common:
+    if "device_map" not in common or arch == "deepseek_vl2":
         model.to(device)
     model.eval()
     spec = discover_routing(model)
@@ -240,31 +240,78 @@ def _load_hf_bundle(name: str, mcfg: dict[str, Any], local: Path | None, device:
                        processor=processor, device=device)
 
 
-def _load_deepseek_vl2(name: str, mcfg: dict[str, Any], where: str, common: dict[str, Any]) -> tuple[Any, Any]:
-    """DeepSeek-VL2 is not in transformers: its repository package ``deepseek_vl2`` registers the classes.
+class QwenImageTextProcessor:
+    """Qwen3-VL's processor for text and images, for installs without torchvision.
 
-    Requires ``trust_remote_code: true`` (checked by the config) and the package installed from
-    github.com/deepseek-ai/DeepSeek-VL2 at a pinned commit, in an environment with the transformers version it
-    pins (4.38-4.47); the checkpoint revision is pinned by ``models.*.revision``.
+    transformers' ``Qwen3VLProcessor`` cannot be built without torchvision (its video processor needs it), and
+    torchvision's wheels are CUDA builds that do not load with a CPU torch. This does what that processor does for
+    images and text: the checkpoint's chat template, the image processor (its PIL backend, with the checkpoint's
+    ``preprocessor_config.json``), each ``<|image_pad|>`` expanded to ``prod(image_grid_thw) / merge_size^2``
+    tokens, and ``mm_token_type_ids`` (1 on image tokens). Resizing is PIL's instead of torchvision's, so pixel
+    values can differ in the last bits from a torchvision install; token counts and layout are the same.
     """
-    if not mcfg.get("trust_remote_code"):
-        raise ConfigError(f"invalid config key 'models.{name}.trust_remote_code': DeepSeek-VL2 runs its own "
-                          "repository code; opt in with trust_remote_code: true and a pinned revision")
-    try:
-        from deepseek_vl2.models import DeepseekVLV2Processor  # type: ignore[import-not-found]
-    except ImportError as exc:
-        raise ModelLoadError(
-            "DeepSeek-VL2 needs its repository package: `pip install git+https://github.com/deepseek-ai/"
-            "DeepSeek-VL2@<commit>` in an environment with the transformers version it pins "
-            f"(model {name!r}; {exc})"
-        ) from exc
-    from transformers import AutoModelForCausalLM
 
-    kwargs = dict(common)
-    kwargs["torch_dtype"] = kwargs.pop("dtype")  # the transformers 4.x its code pins knows only torch_dtype
-    model = AutoModelForCausalLM.from_pretrained(where, trust_remote_code=True, **kwargs)
-    processor = DeepseekVLV2Processor.from_pretrained(where, revision=common.get("revision"))
-    return model, processor
+    def __init__(self, tokenizer: Any, image_processor: Any) -> None:
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        self.image_token_id = int(tokenizer.convert_tokens_to_ids(self.image_token))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def __call__(self, text: list[str], images: list[Any] | None = None, return_tensors: str = "pt") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        text = list(text)
+        if images:
+            out = dict(self.image_processor(images=images, return_tensors="pt"))
+            merge = int(self.image_processor.merge_size) ** 2
+            counts = iter(int(g.prod()) // merge for g in out["image_grid_thw"])
+            marker = "\0IMAGE\0"
+            for i, t in enumerate(text):
+                while self.image_token in t:
+                    t = t.replace(self.image_token, marker * next(counts), 1)
+                text[i] = t.replace(marker, self.image_token)
+        enc = self.tokenizer(text, return_tensors=return_tensors, add_special_tokens=False)
+        out.update(enc)
+        out["mm_token_type_ids"] = (enc["input_ids"] == self.image_token_id).to(torch.int32)
+        return out
+
+
+def _qwen3_vl_processor(where: str, revision: str | None, auto_processor: Any) -> Any:
+    """transformers' own processor; without torchvision, :class:`QwenImageTextProcessor` (logged once)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        return auto_processor.from_pretrained(where, revision=revision)
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    log.warning("torchvision is not installed: Qwen3-VL's images are processed by its PIL image processor "
+                "(specprefetch.models.loading.QwenImageTextProcessor) instead of transformers' Qwen3VLProcessor")
+    return QwenImageTextProcessor(AutoTokenizer.from_pretrained(where, revision=revision),
+                                  Qwen2VLImageProcessorPil.from_pretrained(where, revision=revision))
+
+
+def _load_deepseek_vl2(name: str, mcfg: dict[str, Any], local: Path | None, common: dict[str, Any]) -> tuple[Any, Any]:
+    """DeepSeek-VL2 through our native implementation (:mod:`specprefetch.models.deepseek_vl2`): a local
+    checkpoint directory, or the hub snapshot of ``hub_id`` at ``revision`` (the Hugging Face cache; with
+    ``HF_HUB_OFFLINE=1`` only the cache)."""
+    from specprefetch.models.deepseek_vl2 import DeepseekVL2Processor, load_model
+
+    directory = local
+    if directory is None:
+        from huggingface_hub import snapshot_download
+
+        directory = Path(snapshot_download(mcfg["hub_id"], revision=mcfg["revision"],
+                                           allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    model = load_model(directory, dtype=common["dtype"],
+                       device="cpu" if common.get("device_map") in (None, "cpu") else _cuda_or_cpu())
+    return model, DeepseekVL2Processor.from_pretrained(directory)
+
+
+def _cuda_or_cpu() -> str:
+    """``device_map`` (e.g. ``auto``) for DeepSeek-VL2: the whole model on the first GPU when there is one."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # ------------------------------------------------------------------------------------------ encoding
@@ -399,21 +446,17 @@ def _encode_qwen_hub(bundle: ModelBundle, sample: Any, image: Any, max_length: i
 
 
 def _encode_deepseek_vl2_hub(bundle: ModelBundle, sample: Any, image: Any, max_length: int) -> EncodedSample:
-    """DeepSeek-VL2 processor conversation (``<image>\\n`` + prompt), then the reference and EOS."""
+    """DeepSeek-VL2's chat format (``<|User|>: <image>\n{prompt}\n\n<|Assistant|>:``), then the reference and EOS."""
     proc = bundle.processor
-    text = ("<image>\n" if image is not None else "") + _field(sample, "prompt")
-    conv = [{"role": "<|User|>", "content": text, **({"images": ["image"]} if image is not None else {})},
-            {"role": "<|Assistant|>", "content": ""}]
-    enc = proc(conversations=conv, images=[image] if image is not None else [], force_batchify=True,
-               system_prompt="")
+    enc = proc(("<image>\n" if image is not None else "") + _field(sample, "prompt"),
+               [image] if image is not None else [])
     tok = proc.tokenizer
-    ref_ids = _text_ids(tok, _field(sample, "reference")) + [tok.eos_token_id]
-    ref = torch.tensor([ref_ids], dtype=torch.long)
-    n_prompt = int(enc.input_ids.shape[1])
+    ref = torch.tensor([_text_ids(tok, _field(sample, "reference")) + [tok.eos_token_id]], dtype=torch.long)
+    n_prompt = int(enc["input_ids"].shape[1])
     kwargs: dict[str, Tensor] = {
-        "input_ids": torch.cat([enc.input_ids, ref], dim=1),
-        "images": enc.images, "images_spatial_crop": enc.images_spatial_crop,
-        "images_seq_mask": torch.cat([enc.images_seq_mask, torch.zeros_like(ref, dtype=torch.bool)], dim=1),
+        "input_ids": torch.cat([enc["input_ids"], ref], dim=1),
+        "images": enc["images"], "images_spatial_crop": enc["images_spatial_crop"],
+        "images_seq_mask": torch.cat([enc["images_seq_mask"], torch.zeros_like(ref, dtype=torch.bool)], dim=1),
     }
     kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
     image_mask = kwargs["images_seq_mask"][0].bool()

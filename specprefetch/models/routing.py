@@ -1,7 +1,8 @@
 """Router discovery: where a model's MoE gates are and exactly how each arch turns logits into experts.
 
 Discovery dispatches on ``model.config.model_type`` and walks the module path that arch is known to use
-(checked against transformers 5.24 and DeepSeek-VL2's repository code); it never searches modules by name.
+(checked against transformers 5.24; DeepSeek-VL2 is our own implementation of the official code); it never
+searches modules by name.
 Each arch's selection rule (softmax/sigmoid scoring, greedy or group-limited top-k, DeepSeek-V3's
 ``e_score_correction_bias``) is reproduced by :func:`select_experts`, so traces, predictors and the runtime
 can recompute the executed experts from a gate weight and a router input alone.
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specprefetch.io import SpecPrefetchError
+from specprefetch.models.selection import TOPK_METHODS, RoutingError, router_scores, select_experts
 
 log = logging.getLogger(__name__)
 
@@ -31,73 +32,12 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "deepseek_v3": "deepseek_v3",
     "mixtral": "mixtral",
     "olmoe": "olmoe",
-    "deepseek_vl_v2": "deepseek_vl2",  # DeepSeek-VL2's own repository code (trust_remote_code)
+    "deepseek_vl_v2": "deepseek_vl2",  # DeepSeek-VL2, natively (specprefetch.models.deepseek_vl2)
     "deepseek_vl2_standin": "deepseek_vl2_standin",  # our stand-in (specprefetch.models.standins)
 }
 SUPPORTED_ARCHS: tuple[str, ...] = tuple(dict.fromkeys(MODEL_TYPE_TO_ARCH.values()))
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-
-
-class RoutingError(SpecPrefetchError):
-    """The model's routing cannot be discovered or does not look like its arch says."""
-
-
-# ------------------------------------------------------------------------------------------ selection
-def select_experts(
-    logits: Tensor,
-    top_k: int,
-    scoring: str = "softmax",
-    topk_method: str = "greedy",
-    n_group: int | None = None,
-    topk_group: int | None = None,
-    correction_bias: Tensor | None = None,
-    group_fill: float = float("-inf"),
-) -> Tensor:
-    """The experts a router selects from its logits ``[T, n]``: LongTensor ``[T, top_k]``, best first.
-
-    ``greedy``: top-k of the scores (softmax/sigmoid of the logits; same order as the logits for softmax).
-    ``group_limited_greedy`` (DeepSeek-V2): keep the ``topk_group`` groups with the largest max score,
-    zero the others, top-k. ``noaux_tc`` (DeepSeek-V3): scores + ``correction_bias`` choose; groups ranked by
-    the sum of their 2 best choice scores; masked experts filled with ``group_fill`` (transformers uses -inf,
-    DeepSeek-VL2's repository code 0.0).
-    """
-    if logits.dim() != 2:
-        raise RoutingError(f"router logits must be [tokens, n_experts], got shape {tuple(logits.shape)}")
-    scores = router_scores(logits, scoring)
-    n = scores.shape[-1]
-    if topk_method == "greedy":
-        choice = scores
-    elif topk_method in ("group_limited_greedy", "noaux_tc"):
-        if not n_group or not topk_group or n % n_group:
-            raise RoutingError(
-                f"topk_method {topk_method!r} needs n_group dividing n_experts={n} and topk_group "
-                f"(got n_group={n_group}, topk_group={topk_group})"
-            )
-        if topk_method == "group_limited_greedy":
-            choice = scores
-            group_scores = choice.view(-1, n_group, n // n_group).max(dim=-1).values
-            fill = 0.0
-        else:
-            bias = torch.zeros(n) if correction_bias is None else correction_bias
-            choice = scores + bias.to(scores.device, scores.dtype).unsqueeze(0)
-            group_scores = choice.view(-1, n_group, n // n_group).topk(2, dim=-1)[0].sum(dim=-1)
-            fill = group_fill
-        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, n // n_group).reshape(-1, n).bool()
-        choice = choice.masked_fill(~score_mask, fill)
-    else:
-        raise RoutingError(f"unknown topk_method {topk_method!r}; supported: {', '.join(TOPK_METHODS)}")
-    return torch.topk(choice, k=top_k, dim=-1, sorted=True)[1]
-
-
-def router_scores(logits: Tensor, scoring: str) -> Tensor:
-    """The router's gating scores in float32: softmax or sigmoid of the logits."""
-    if scoring == "softmax":
-        return logits.float().softmax(dim=-1)
-    if scoring == "sigmoid":
-        return logits.float().sigmoid()
-    raise RoutingError(f"unknown scoring function {scoring!r}; supported: softmax, sigmoid")
+__all__ = ["SUPPORTED_ARCHS", "TOPK_METHODS", "RoutingError", "RoutingSpec", "discover_routing", "router_scores",
+           "select_experts"]
 
 
 # ------------------------------------------------------------------------------------------ spec
@@ -396,39 +336,24 @@ def _discover_deepseek_v3(model: nn.Module) -> RoutingSpec:
 
 
 def _discover_deepseek_vl2(model: nn.Module) -> RoutingSpec:
-    """DeepSeek-VL2 repository code: ``language.model.layers[i].mlp.gate`` is a ``MoEGate``.
+    """Our DeepSeek-VL2 (:mod:`specprefetch.models.deepseek_vl2`): ``language.model.layers[i].mlp.gate`` is a
+    :class:`~specprefetch.models.deepseek_vl2.Router` (the official ``MoEGate``'s rule: MoE iff ``idx >=
+    first_k_dense_replace`` and ``idx % moe_layer_freq == 0``; masked groups filled with 0.0; float32 logits)."""
+    from specprefetch.models.deepseek_vl2 import DeepseekVL2ForCausalLM, Router, is_moe_layer
 
-    Its MoE rule is ``n_routed_experts is not None and idx >= first_k_dense_replace and idx % moe_layer_freq
-    == 0``; ``MoEGate.forward`` returns (topk_idx, topk_weight, aux_loss), never logits, so logits are
-    recomputed from ``gate.weight`` (float32, as the gate itself does). ``noaux_tc`` fills masked groups with
-    0.0 (not -inf) in that code.
-    """
-    lc = getattr(model.config, "language_config", None)
-    language = getattr(model, "language", None)
-    dec = getattr(language, "model", None)
-    if lc is None or dec is None:
-        raise RoutingError("deepseek_vl2: expected DeepseekVLV2ForCausalLM with `.language.model` and "
-                           "`config.language_config` (DeepSeek-VL2 repository code)")
-    freq = int(getattr(lc, "moe_layer_freq", 1) or 1)
-    if getattr(lc, "n_routed_experts", None) is None:
-        raise RoutingError("deepseek_vl2: language_config.n_routed_experts is None (a dense model)")
-    idx = [i for i in range(lc.num_hidden_layers)
-           if i >= (getattr(lc, "first_k_dense_replace", 0) or 0) and i % freq == 0]
-    gates = _gates_at(_layers_of(dec, "deepseek_vl2"), idx, None, "deepseek_vl2")
-    g0 = gates[0]
-    for name in ("weight", "top_k", "n_routed_experts", "scoring_func", "topk_method"):
-        if not hasattr(g0, name):
-            raise RoutingError(f"deepseek_vl2: gate {type(g0).__name__} lacks MoEGate attribute {name!r}")
-    method = g0.topk_method
+    if not isinstance(model, DeepseekVL2ForCausalLM):
+        raise RoutingError(f"deepseek_vl2: expected specprefetch's DeepseekVL2ForCausalLM, got {type(model).__name__}")
+    c = model.config.text
+    idx = [i for i in range(c.num_hidden_layers) if is_moe_layer(c, i)]
+    method = c.topk_method
     return RoutingSpec(
-        arch="deepseek_vl2", moe_layers=idx, gates=gates, n_experts=int(g0.n_routed_experts), top_k=int(g0.top_k),
-        hidden_size=int(lc.hidden_size), scoring=str(g0.scoring_func),
-        n_shared_experts=int(getattr(lc, "n_shared_experts", 0) or 0), topk_method=method,
-        n_group=getattr(g0, "n_group", None) if method != "greedy" else None,
-        topk_group=getattr(g0, "topk_group", None) if method != "greedy" else None,
-        norm_topk_prob=bool(getattr(g0, "norm_topk_prob", False)),
-        routed_scaling_factor=float(getattr(g0, "routed_scaling_factor", 1.0)), group_fill=0.0,
-        native_logits_dtype=False, num_hidden_layers=int(lc.num_hidden_layers),
+        arch="deepseek_vl2", moe_layers=idx, gates=_gates_at(_layers_of(model.language.model, "deepseek_vl2"), idx,
+                                                             Router, "deepseek_vl2"),
+        n_experts=int(c.n_routed_experts), top_k=int(c.num_experts_per_tok), hidden_size=int(c.hidden_size),
+        scoring=str(c.scoring_func), n_shared_experts=int(c.n_shared_experts or 0), topk_method=method,
+        n_group=c.n_group if method != "greedy" else None, topk_group=c.topk_group if method != "greedy" else None,
+        norm_topk_prob=bool(c.norm_topk_prob), routed_scaling_factor=float(c.routed_scaling_factor), group_fill=0.0,
+        native_logits_dtype=False, num_hidden_layers=int(c.num_hidden_layers),
     )
 
 

@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specprefetch.config import ConfigError
 from specprefetch.contracts import STANDIN_FORMAT, ContractError, member, read_doc, require, reraise_as
 from specprefetch.io import SpecPrefetchError, sha256_file, write_json_atomic
+from specprefetch.models.deepseek_vl2 import Projector
 
 log = logging.getLogger(__name__)
 
@@ -203,28 +203,6 @@ class DeepseekVL2StandInConfig:
     @property
     def hidden_size(self) -> int:
         return int(self.language_config.hidden_size)
-
-
-class Projector(nn.Module):
-    """DeepSeek-VL2's ``downsample_mlp_gelu`` adaptor: 2x2 patch concat (pad odd grids), then a 2-layer MLP."""
-
-    def __init__(self, vision_dim: int, hidden: int, downsample: int = SPATIAL_MERGE) -> None:
-        super().__init__()
-        self.downsample = downsample
-        self.layers = nn.Sequential(nn.Linear(vision_dim * downsample * downsample, hidden), nn.GELU(),
-                                    nn.Linear(hidden, hidden))
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, p, c = x.shape
-        side = math.isqrt(p)
-        if side * side != p:
-            raise StandInError(f"vision features of {p} patches are not a square grid")
-        x = x.reshape(b, side, side, c)
-        pad = (-side) % self.downsample
-        if pad:
-            x = F.pad(x, (0, 0, 0, pad, 0, pad))
-        x = F.unfold(x.permute(0, 3, 1, 2), kernel_size=self.downsample, stride=self.downsample)
-        return self.layers(x.permute(0, 2, 1))
 
 
 class DeepseekVL2StandIn(nn.Module):
@@ -649,7 +627,7 @@ def load_stand_in(model_dir: Path, device: str | torch.device = "cpu", mcfg: dic
             vision = _from_pretrained(SiglipVisionModel, model_dir / "vision")
             language = _from_pretrained(DeepseekV2ForCausalLM, model_dir / "language")
             p = meta["projector"]
-            projector = Projector(int(p["vision_dim"]), int(p["hidden"]), int(p["downsample"]))
+            projector = Projector(int(p["vision_dim"]), int(p["hidden"]), downsample=int(p["downsample"]))
             safetensors_header(model_dir / PROJECTOR_FILE)
             try:
                 projector.load_state_dict(load_file(str(model_dir / PROJECTOR_FILE)))

@@ -3,9 +3,9 @@
 Objective: L_pred = 1/(L−1) Σ_l 1/|Ω| Σ_t KL(π_t^{l+1} ‖ π̂_t^{l+1}) with π = softmax of the frozen router's
 logits (stop-grad: they are data) and π̂ = softmax of the predictor's logits. Optimisation goes through the
 Hugging Face ``Trainer`` with the paper's recipe from the config (AdamW β/ε/lr/weight decay, cosine schedule
-with warmup ratio, gradient clipping, bf16 where the hardware has it, one epoch, DeepSpeed when configured
-and on CUDA). Data comes from stored traces (``source: traces``) or from the frozen model run in the loop
-on the corpus (``source: online``); both give whole-sample batches in the trace layout.
+with warmup ratio, gradient clipping, bf16 autocast, one epoch, DeepSpeed ZeRO when configured and started by a
+distributed launcher: NCCL on CUDA, gloo on CPU). Data comes from stored traces (``source: traces``) or from the
+frozen model run in the loop on the corpus (``source: online``); both give whole-sample batches in the trace layout.
 
 Training-free methods (fate, previous_token, frequency, oracle) only collect what they need (the gates,
 the corpus expert counts) and save. The output directory (``predictor.safetensors`` + ``meta.json`` with
@@ -15,7 +15,10 @@ loss curve, wall time and provenance) appears atomically.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -58,15 +61,18 @@ def next_layer_kl(preds: Sequence[Tensor], logits: Sequence[Tensor]) -> Tensor:
 
 
 def resolve_precision(precision: str) -> str:
-    """'bf16' or 'fp32': bf16 only when asked for (bf16/auto) and CUDA supports it; CPU trains in fp32."""
+    """'bf16' or 'fp32'. bf16 is autocast (bf16 compute, fp32 weights and optimizer states) on the training device:
+    ``bf16`` on CPU (torch's CPU autocast) and on a CUDA device with bf16, ``auto`` only on a CUDA device with bf16."""
     if precision not in ("auto", "bf16", "fp32"):
         raise SpecPrefetchError(f"invalid predictors.training.precision {precision!r}")
     if precision == "fp32":
         return "fp32"
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+    if not torch.cuda.is_available():
+        return "bf16" if precision == "bf16" else "fp32"
+    if torch.cuda.is_bf16_supported():
         return "bf16"
     if precision == "bf16":
-        log.warning("predictors.training.precision is bf16 but no CUDA bf16 device is available: training in fp32")
+        log.warning("predictors.training.precision is bf16 but the CUDA device has no bf16: training in fp32")
     return "fp32"
 
 
@@ -127,24 +133,130 @@ def _check_dims_vs_config(dims: PredictorDims, mcfg: Mapping[str, Any], where: s
 
 # --------------------------------------------------------------------------------------------- the Trainer
 
+DDP_TIMEOUT_S = 1800  # TrainingArguments' default ddp_timeout, also for the gloo group DeepSpeed runs over on CPU
+
+
+def deepspeed_config_path(tcfg: Mapping[str, Any], warn: bool = True) -> Path | None:
+    """The DeepSpeed config this process trains with, or None.
+
+    ``predictors.training.deepspeed_config`` (relative paths from the repository root, as the config check reads
+    them) is used when the process was started by a distributed launcher (torchrun, ``accelerate launch``, the
+    ``deepspeed`` launcher: ``LOCAL_RANK`` is set); ZeRO partitions over processes, so a single process started
+    without one trains with the plain Trainer (same optimizer, schedule and precision) and says so in a warning.
+    Under a launcher, a missing ``deepspeed`` package is an error (the run asked for ZeRO's memory savings).
+    """
+    ds = tcfg.get("deepspeed_config")
+    if not ds:
+        return None
+    if "LOCAL_RANK" not in os.environ:
+        if warn:
+            log.warning("predictors.training.deepspeed_config %s ignored: this process was not started by a "
+                        "distributed launcher (predictors.training.launcher, e.g. torchrun); training without "
+                        "DeepSpeed", ds)
+        return None
+    if importlib.util.find_spec("deepspeed") is None:
+        raise SpecPrefetchError(f"predictors.training.deepspeed_config is {ds} but deepspeed is not installed: "
+                                "pip install 'specprefetch[deepspeed]'")
+    from specprefetch.config import REPO_ROOT
+
+    path = Path(ds)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def deepspeed_settings(path: Path, precision: str) -> dict[str, Any]:
+    """The DeepSpeed config as the Trainer gets it: the file with the precision filled in.
+
+    bf16 means autocast everywhere (bf16 compute, fp32 weights, fp32 optimizer states): without DeepSpeed the
+    Trainer's (accelerate's) autocast, with it DeepSpeed's ``torch_autocast`` section, whose ``enabled: "auto"``
+    is filled here from ``precision``. DeepSpeed's own ``bf16`` mode (bf16 weights, and the Trainer would cast the
+    KL targets to bf16) is not used: ``bf16.enabled`` must be false or "auto" (the Trainer fills it with its own
+    ``bf16``, false under DeepSpeed). The learning-rate schedule is the Trainer's (``predictors.training.scheduler``
+    with ``warmup_ratio``): a ``scheduler`` section (DeepSpeed's WarmupCosineLR warms up logarithmically and decays
+    to 1e-4 of the peak) is refused. The Trainer fills the other "auto" values (lr, betas, eps, weight decay,
+    gradient clipping, batch sizes) and refuses explicit ones that differ from the config.
+    """
+    conf = copy.deepcopy(read_doc(path, None, "DeepSpeed config"))
+    where = str(path)
+    if "scheduler" in conf:
+        raise SpecPrefetchError(f"{where}: remove the 'scheduler' section: the schedule is predictors.training's "
+                                "(scheduler, warmup_ratio), which the Trainer hands to DeepSpeed")
+    for key in ("bf16", "fp16"):
+        if (conf.get(key) or {}).get("enabled", False) not in (False, "auto"):
+            raise SpecPrefetchError(f"{where}: {key}.enabled must be false or \"auto\": precision bf16 runs as "
+                                    "torch_autocast (bf16 compute, fp32 weights), set by predictors.training.precision")
+    autocast = precision == "bf16"
+    section = conf.setdefault("torch_autocast", {"enabled": "auto"})
+    if section.get("enabled", "auto") == "auto":
+        section["enabled"] = autocast
+    elif bool(section["enabled"]) != autocast:
+        raise SpecPrefetchError(f"{where}: torch_autocast.enabled is {section['enabled']} but predictors.training."
+                                f"precision resolves to {precision}: set it to \"auto\"")
+    if autocast:
+        section.setdefault("dtype", "bfloat16")
+    return conf
+
+
+def _gloo_deepspeed_state() -> None:
+    """Set up accelerate's distributed state for DeepSpeed over gloo (CPU).
+
+    accelerate only starts DeepSpeed when not on CPU and, with no accelerator, picks no backend (its state would
+    then count one process); so on CPU the state is made here, before the TrainingArguments, which then use it
+    (``use_configured_state``): ``deepspeed.init_distributed(dist_backend="gloo")`` over the launcher's
+    RANK/WORLD_SIZE/MASTER_ADDR. DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) would pick oneCCL ("ccl")
+    only with oneccl_bindings_for_pytorch installed; the backend named here is gloo either way. Its shared-memory
+    all-reduce op (DeepSpeed inference's, not used by ZeRO training) is marked unavailable, so nothing is
+    compiled: without that, the first run JIT-builds it with g++.
+    """
+    from datetime import timedelta
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed.ops
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    # deepspeed.ops probes every op's build (compiler runs) on the table's first access; build_shm_op alone reads it
+    table = vars(deepspeed.ops).setdefault("__compatible_ops__", {})
+    table["deepspeed_shm_comm"] = False
+    if PartialState._shared_state and PartialState().distributed_type == DistributedType.DEEPSPEED:
+        return
+    AcceleratorState._reset_state(reset_partial_state=True)
+    before = os.environ.get("ACCELERATE_USE_DEEPSPEED")
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # how accelerate tells its state to start DeepSpeed's comm
+    try:
+        PartialState(backend="gloo", timeout=timedelta(seconds=DDP_TIMEOUT_S))
+    finally:
+        if before is None:
+            del os.environ["ACCELERATE_USE_DEEPSPEED"]
+        else:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = before
+
 
 def _make_trainer(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mapping[str, Any], steps: int,
-                  precision: str, out_dir: str, loss_log: list[float]) -> Any:
+                  precision: str, out_dir: str, loss_log: list[float], lr_log: list[float] | None = None) -> Any:
     """A ``transformers.Trainer`` whose loss is the next-layer KL (custom ``compute_loss``); with
-    ``checkpoint_steps`` it saves a resumable checkpoint (the latest only) in ``out_dir`` that often."""
+    ``checkpoint_steps`` it saves a resumable checkpoint (the latest only) in ``out_dir`` that often.
+
+    With a DeepSpeed config (:func:`deepspeed_config_path`) the Trainer runs DeepSpeed (ZeRO as the file says;
+    NCCL on CUDA, gloo on CPU) with :func:`deepspeed_settings`; the step's learning rate goes to ``lr_log``.
+    """
     from transformers import Trainer, TrainingArguments
 
     class _KLTrainer(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001
+            if lr_log is not None and self.optimizer is not None:
+                lr_log.append(float(self.optimizer.param_groups[0]["lr"]))  # the rate this step's update uses
             preds = model(inputs)
             loss = next_layer_kl(preds, inputs["logits"])
             loss_log.append(float(loss.detach().float()))
             return (loss, preds) if return_outputs else loss
 
     cuda = torch.cuda.is_available()
-    ds = tcfg.get("deepspeed_config")
-    if ds and not cuda:
-        log.info("deepspeed_config %s ignored: no CUDA device", ds)
+    ds_path = deepspeed_config_path(tcfg)
+    ds = deepspeed_settings(ds_path, precision) if ds_path is not None else None
+    gloo_ds = ds is not None and not cuda
+    if gloo_ds:
+        _gloo_deepspeed_state()
     betas = tcfg["betas"]
     warmup = float(tcfg["warmup_ratio"])
     scheduler = tcfg["scheduler"]
@@ -164,7 +276,7 @@ def _make_trainer(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mappin
         lr_scheduler_type=SCHEDULERS[scheduler],
         warmup_steps=warmup if warmup < 1 else steps,
         max_grad_norm=float(tcfg["max_grad_norm"]),
-        bf16=precision == "bf16",
+        bf16=precision == "bf16" and ds is None,  # under DeepSpeed its torch_autocast does it (deepspeed_settings)
         seed=int(tcfg["seed"]),
         data_seed=int(tcfg["seed"]),
         logging_steps=max(1, steps // 20),
@@ -177,11 +289,91 @@ def _make_trainer(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mappin
         dataloader_num_workers=0,
         dataloader_pin_memory=cuda,
         use_cpu=not cuda,
-        accelerator_config={"dispatch_batches": False, "split_batches": False},
+        accelerator_config={"dispatch_batches": False, "split_batches": False, "use_configured_state": gloo_ds},
         ddp_find_unused_parameters=False,  # multi-process runs (torchrun): every adapter gets a gradient
-        deepspeed=ds if (ds and cuda) else None,
+        ddp_timeout=DDP_TIMEOUT_S,
+        deepspeed=ds,
     )
     return _KLTrainer(model=predictor, args=args, train_dataset=dataset, data_collator=collate)
+
+
+def state_digest(module: torch.nn.Module) -> str:
+    """sha256 of a module's state (names and float32 values, in name order): equal digests, equal weights."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _compute_probe(predictor: Predictor, seen: dict[str, Any]) -> Any:
+    """Wrap the predictor's forward to record, at the first training forward, whether autocast was on and the
+    dtypes; returns the undo. The wrapper sits inside whatever autocast the Trainer applies (accelerate wraps
+    ``forward`` itself, DeepSpeed's engine calls the module under its autocast), so it sees what the maths ran in."""
+    import functools
+
+    inner = predictor.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        out = inner(*args, **kwargs)
+        if not seen and predictor.training:
+            p = next(predictor.parameters())
+            seen.update(autocast=bool(torch.is_autocast_enabled(p.device.type)),
+                        autocast_dtype=str(torch.get_autocast_dtype(p.device.type)).removeprefix("torch."),
+                        output_dtype=str(out[0].dtype).removeprefix("torch."),
+                        param_dtype=str(p.dtype).removeprefix("torch."), device=p.device.type)
+        return out
+
+    predictor.forward = forward  # type: ignore[method-assign]
+    # the Trainer's own wrapping (accelerate's autocast) goes with it: the class's forward is left
+    return lambda: predictor.__dict__.pop("forward", None)
+
+
+def _distributed_record(trainer: Any, predictor: Predictor, world: int, ds_path: Path | None) -> dict[str, Any]:
+    """What ran, for meta.json: process-group backend, each rank's weight digest, and DeepSpeed's effective
+    settings read back from its engine (ZeRO stage, optimizer and its hyper-parameters, clipping, batch sizes,
+    how much of the optimizer state this rank holds)."""
+    import torch.distributed as dist
+
+    digest = state_digest(predictor)
+    record: dict[str, Any] = {"backend": None, "world_size": world, "param_sha256_by_rank": [digest], "deepspeed": None}
+    if dist.is_available() and dist.is_initialized():
+        record["backend"] = str(dist.get_backend())
+        digests: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, digest)
+        record["param_sha256_by_rank"] = digests
+    engine = getattr(trainer, "deepspeed", None)
+    if engine is None:
+        return record
+    import deepspeed
+
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    held = sum(int(v.numel()) for state in inner.state.values() for k, v in state.items() if k == "exp_avg")
+    held_by_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(held_by_rank, held)
+    record["deepspeed"] = {
+        "version": deepspeed.__version__,
+        "config": str(ds_path),
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "optimizer": type(opt).__name__,
+        "base_optimizer": f"{type(inner).__module__}.{type(inner).__name__}",
+        "optimizer_hparams": {k: (list(v) if isinstance(v, tuple) else v) for k, v in inner.defaults.items()
+                              if k in ("lr", "betas", "eps", "weight_decay")},
+        "gradient_clipping": float(engine.gradient_clipping()),
+        "train_micro_batch_size_per_gpu": int(engine.train_micro_batch_size_per_gpu()),
+        "train_batch_size": int(engine.train_batch_size()),
+        "bf16_weights": bool(engine.bfloat16_enabled()),
+        "torch_autocast": bool(engine.torch_autocast_enabled()),
+        "torch_autocast_dtype": str(engine.torch_autocast_dtype()).removeprefix("torch.")
+        if engine.torch_autocast_enabled() else None,
+        "lr_scheduler": type(engine.lr_scheduler).__name__ if engine.lr_scheduler is not None else None,
+        "optimizer_state_numel_by_rank": held_by_rank,  # Adam's exp_avg elements each rank holds (ZeRO: a share)
+        "trainable_numel": predictor.trainable_params(),
+        "accelerator": type(deepspeed.get_accelerator()).__name__,
+    }
+    return record
 
 
 def _first(items: Sequence[Any]) -> Any:
@@ -229,16 +421,25 @@ def _fit_learned(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mapping
              else int(os.environ.get("WORLD_SIZE", 1)))
     steps = steps_for(dataset.n_chunks, float(tcfg["epochs"]), world)
     loss_log: list[float] = []
+    lr_log: list[float] = []
+    compute: dict[str, Any] = {}
     use_ckpt = ckpt_dir is not None and int(tcfg["checkpoint_steps"]) > 0
     resume = latest_checkpoint(ckpt_dir) if use_ckpt else None
     with contextlib.ExitStack() as stack:
         out = str(ckpt_dir) if use_ckpt else stack.enter_context(
             tempfile.TemporaryDirectory(prefix="specprefetch-trainer-"))
-        trainer = _make_trainer(predictor, dataset, collate, tcfg, steps, precision, out, loss_log)
-        log.info("training %s: %d steps over %d chunks (%d tokens), %s%s", predictor.method, steps,
-                 dataset.n_chunks, dataset.n_tokens, precision, f", resuming from {resume}" if resume else "")
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        trainer = _make_trainer(predictor, dataset, collate, tcfg, steps, precision, out, loss_log, lr_log)
+        log.info("training %s: %d steps over %d chunks (%d tokens), %s%s%s", predictor.method, steps,
+                 dataset.n_chunks, dataset.n_tokens, precision, ", DeepSpeed" if trainer.is_deepspeed_enabled else "",
+                 f", resuming from {resume}" if resume else "")
+        unprobe = _compute_probe(predictor, compute)
+        try:
+            trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        finally:
+            unprobe()
         history = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        distributed = _distributed_record(trainer, predictor, world, deepspeed_config_path(tcfg)
+                                          if trainer.is_deepspeed_enabled else None)
     predictor.to("cpu").float().eval()
     tail = max(1, len(loss_log) // 20)
     return {
@@ -251,6 +452,9 @@ def _fit_learned(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mapping
         "logged_loss": history,  # the Trainer's logged losses (kept across a resume)
         "resumed_from_step": int(resume.name.split("-")[-1]) if resume else None,
         "world_size": world,
+        "lr_curve": lr_log,  # the learning rate of each step's update (this run's steps; not across a resume)
+        "compute": compute,  # autocast and dtypes seen in the first training forward
+        "distributed": distributed,  # backend, per-rank weight digests, DeepSpeed's effective settings
     }
 
 
@@ -285,6 +489,7 @@ def train_predictor(
     seed_everything(seed)
 
     learned = predictor_class(method).learned
+    ds_path = deepspeed_config_path(tcfg, warn=False) if learned else None  # fails now if deepspeed is missing
     reader = _open_trace(Path(train_traces) if train_traces is not None else None, model_name)
     # Online: learned methods always train on the live model; training-free ones use the traces if given.
     online = source == "online" and (learned or reader is None)
@@ -313,6 +518,8 @@ def train_predictor(
         from specprefetch.predictors.draft_model import find_input_embeddings
 
         table = find_input_embeddings(model_dir) if model_dir is not None else None
+        if table is None and bundle is not None:  # online from the hub: the loaded model's own table
+            table = bundle.model.get_input_embeddings().weight.detach().float().cpu()
         dims = dataclasses.replace(dims, vocab_size=resolve_vocab(cfg, model_dir, max_id, table))
 
     predictor = build_predictor(method, cfg, dims, model=model_name)
@@ -328,10 +535,12 @@ def train_predictor(
         run.update(precision=precision, batch_tokens=int(tcfg["batch_tokens"]))
         ckpt_dir = None
         if int(tcfg["checkpoint_steps"]) > 0:
-            fingerprint = config_hash({"model": dict(mcfg), "method": method, "method_cfg": predictor.method_cfg,
-                                       "training": dict(tcfg), "dims": dataclasses.asdict(dims), "online": online,
-                                       "trace": sha256_file(Path(train_traces) / "manifest.json")
-                                       if reader is not None else None})
+            run_id = {"model": dict(mcfg), "method": method, "method_cfg": predictor.method_cfg,
+                      "training": dict(tcfg), "dims": dataclasses.asdict(dims), "online": online,
+                      "trace": sha256_file(Path(train_traces) / "manifest.json") if reader is not None else None}
+            if ds_path is not None:  # a DeepSpeed checkpoint resumes only under DeepSpeed, on as many processes
+                run_id["deepspeed"] = {"world_size": int(os.environ.get("WORLD_SIZE", 1))}
+            fingerprint = config_hash(run_id)
             ckpt_dir = _checkpoint_dir(checkpoint_dir_for(out_dir), fingerprint)
         run.update(_fit_learned(predictor, dataset, collate, tcfg, precision, ckpt_dir))
     elif online:
@@ -388,14 +597,15 @@ def _fit_statistics_online(predictor: Predictor, bundle: Any, dataset: OnlineChu
 def _online_dataset(cfg: Mapping[str, Any], model_name: str, model_dir: Path | None, corpus_dir: Path | None,
                     tcfg: Mapping[str, Any]) -> tuple[Any, OnlineChunks]:
     """Load the frozen model (on this process's GPU when there is one) and the corpus for ``source: online``."""
-    if model_dir is None or corpus_dir is None:
-        raise SpecPrefetchError("predictors.training.source is 'online': pass the model directory (--model-dir) "
-                                "and the corpus workload directory (--corpus)")
+    if corpus_dir is None:
+        raise SpecPrefetchError("predictors.training.source is 'online': pass the corpus workload directory "
+                                "(--corpus)")
     from specprefetch.data.workloads import read_workload
     from specprefetch.models import load_bundle
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
-    bundle = load_bundle(dict(cfg), model_name, Path(model_dir), device=device)
+    # model_dir: a stand-in or local checkpoint; None loads the config's hub checkpoint (load_bundle says which)
+    bundle = load_bundle(dict(cfg), model_name, None if model_dir is None else Path(model_dir), device=device)
     samples = read_workload(Path(corpus_dir))
     if not samples:
         raise SpecPrefetchError(f"{corpus_dir}: the corpus has no samples")

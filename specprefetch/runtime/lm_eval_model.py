@@ -125,16 +125,23 @@ def _provider_from(policy: str, predictor: str | None, spec: Any, device: str) -
 
 
 def task_paths(cfg: dict[str, Any], tasks_dir: Path, tasks: list[str] | None = None) -> tuple[list[str], list[str]]:
-    """(task names, include paths) of the profile's local lm-eval tasks."""
+    """(task names, include paths) of the profile's lm-eval tasks.
+
+    A generated or local workload has its own task YAML (``<workload>/lm_eval/<task>.yaml``, written by
+    ``prepare-workload``), found through its include path; a hub workload (``generator: hub``) names lm-eval's own
+    upstream task, which reads the same hub dataset, so it has no include path (lm-eval's registry finds it).
+    """
     names, paths = [], []
     for w, wc in cfg["workloads"].items():
         task = wc.get("lm_eval_task")
         if not task or (tasks is not None and task not in tasks and w not in tasks):
             continue
+        names.append(task)
+        if wc["generator"] == "hub":
+            continue
         d = Path(tasks_dir) / w / "lm_eval"
         if not (d / f"{task}.yaml").is_file():
             raise SpecPrefetchError(f"lm-eval task file not found: {d / (task + '.yaml')} (workload {w})")
-        names.append(task)
         paths.append(str(d))
     if not names:
         raise SpecPrefetchError("no lm-eval tasks to evaluate (workloads.*.lm_eval_task)")
@@ -145,10 +152,15 @@ def _evaluate(lm: Any, names: list[str], paths: list[str], limit: int | None, ma
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    tm = TaskManager(include_path=paths, include_defaults=False)
+    from specprefetch.data.lm_eval_tasks import allow_code_eval
+
+    # upstream tasks (a hub workload's) come from lm-eval's own registry; local ones only from their include paths
+    tm = TaskManager(include_path=paths or None, include_defaults=len(paths) < len(names))
+    allow_code_eval()
     return simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit, log_samples=True,
                            gen_kwargs={"max_gen_toks": max_gen_toks}, bootstrap_iters=0, random_seed=0,
-                           numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+                           numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
+                           confirm_run_unsafe_code=True)
 
 
 def _scores(res: dict[str, Any]) -> dict[tuple[str, str], float]:

@@ -214,17 +214,9 @@ def with_continuation(bundle: Any, enc: Any, max_new_tokens: int) -> Any:
 def _generate_new_ids(bundle: Any, sample_id: str, prompt_kw: dict[str, Tensor], gen_kwargs: dict[str, Any]) -> Tensor:
     """Greedy continuation ids ``[1, new]`` of the prompt.
 
-    transformers models (and our stand-ins) return prompt + continuation; DeepSeek-VL2's repository code
-    generates from embeddings (``prepare_inputs_embeds`` then ``language.generate``), which returns only
-    the new ids, as its own inference example does.
+    transformers models, our stand-ins and our DeepSeek-VL2 return the prompt followed by the continuation.
     """
     n_prompt = int(prompt_kw["input_ids"].shape[1])
-    if bundle.arch == "deepseek_vl2" and bundle.kind == "hf":
-        model = bundle.model
-        embeds = model.prepare_inputs_embeds(**{k: prompt_kw[k] for k in
-                                                ("input_ids", "images", "images_seq_mask", "images_spatial_crop")})
-        return model.language.generate(inputs_embeds=embeds, attention_mask=prompt_kw["attention_mask"],
-                                       **gen_kwargs)
     out = bundle.model.generate(**prompt_kw, **gen_kwargs)
     ids = out if isinstance(out, Tensor) else out.sequences
     if ids.shape[1] < n_prompt or not torch.equal(ids[:, :n_prompt].cpu(), prompt_kw["input_ids"].cpu()):

@@ -26,6 +26,7 @@ from specprefetch.traces.store import INPUT_DTYPES, LOGITS_DTYPES, TOKEN_KEYS, T
 HUB_SAMPLES = {"openai/gsm8k": 1319, "openai/openai_humaneval": 164, "echo840/OCRBench": 1000,
                "HuggingFaceM4/ChartQA": 2500, "lmms-lab/HallusionBench": 951}
 TOKEN_META_BYTES = sum(d.itemsize for d in TOKEN_KEYS.values())  # the trace contract's per-token tensors
+IMAGE_GENERATORS = ("ocr_synth", "chartqa_synth", "hallusion_synth")  # the synthetic corpus sources with images
 TEXT_TOKENS = {"LLM": 384, "VLM": 128}  # assumed prompt + reference tokens per sample (VLM: plus the image)
 # Assumed forward throughput of trace extraction, tokens/s per GPU (batch-1 teacher forcing with hooks, bf16):
 # an order of magnitude for transformers' MoE blocks on one A100/H100-class GPU; replace with a measured value.
@@ -76,11 +77,13 @@ def _tokens_per_sample(cfg: Mapping[str, Any], model: str, workload: str) -> int
     """Assumed mean tokens per sample: text, plus the merged image tokens of a VLM sample, capped by max_length."""
     img = cfg.get("image") or {}
     image_tokens = (img["size"] // img["patch_size"]) ** 2 // 4  # 2x2-merged patches
-    if workload == "corpus":  # a mixture: text, with images in the share of its VLM sources
+    if workload == "corpus":  # a mixture: text, with images in the share of its image sources
         category = "LLM"
-        vlm_share = sum(v for k, v in cfg["train_corpus"].get("mixture", {}).items()
-                        if k in ("ocr_synth", "chartqa_synth", "hallusion_synth"))
-        image = int(vlm_share * image_tokens)
+        tc = cfg["train_corpus"]
+        weights = [(v, k in IMAGE_GENERATORS) for k, v in (tc.get("mixture") or {}).items()]
+        weights += [(float(e["weight"]), bool(e.get("images", True))) for e in tc.get("hub") or []]
+        total = sum(w for w, _ in weights) or 1.0
+        image = int(sum(w for w, has_image in weights if has_image) / total * image_tokens)
     else:
         category = cfg["workloads"][workload]["category"]
         image = image_tokens if category == "VLM" else 0
