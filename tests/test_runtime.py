@@ -515,7 +515,7 @@ def test_lm_eval_scores_equal_plain_model(tmp_path: Path, tiny_tokenizer: Any) -
     model.resize_token_embeddings(len(tiny_tokenizer))
     spec = discover_routing(model)
     store = ExpertStore(build_expert_store(model, tmp_path / "store", spec))
-    cfg = {"workloads": {"gsm8k": {"lm_eval_task": "tiny_gsm8k"}}}
+    cfg = {"workloads": {"gsm8k": {"generator": "gsm8k_synth", "lm_eval_task": "tiny_gsm8k"}}}
     s = section_defaults("device", {"accuracy": {"policies": ["off", "specprefetch", "naive", "resident"], "limit": 2,
                                               "max_gen_toks": 6}, "m_max": 3, "cache": {"capacity_experts": 8}})
     providers = provider_factories({}, spec, "cpu")
