@@ -64,7 +64,7 @@ POLICIES = tuple(POLICY)
 PREDICTING = tuple(p for p, pol in POLICY.items() if pol.predicts)
 STORAGES = ("nvme_cold", "nvme", "ufs", "slow_ufs", "sdcard", "ram")
 EMULATED = ("nvme", "ufs", "slow_ufs", "sdcard")
-EXPERIMENTS = ("main", "matched", "sweep", "storage", "component")
+EXPERIMENTS = ("main", "matched", "sweep", "storage", "component", "budget")
 # latency.csv: the per-layer breakdown of Figure 1(a)
 LATENCY_MODES = ("resident", "on_demand")
 LATENCY_PARTS = ("attention", "router", "expert_load", "moe_compute", "other")
@@ -324,7 +324,7 @@ RUN_COLUMNS = [
     "ready_recall", "n_tokens", "hits", "misses", "prefetched", "wasted", "stall_ms", "source",
     "inflight", "cancelled", "demand_loads", "io_errors", "peak_cache_experts", "capacity_experts",
     "peak_cache_bytes", "capacity_bytes", "decode_s", "record_bytes", "expert_format", "tokens_match",
-    "tokens_sha256", "bound_tokens_per_s", "measured_in", "run_order",
+    "tokens_sha256", "bound_tokens_per_s", "measured_in", "run_order", "layer_m_max", "bound_own_tokens_per_s",
 ]
 RUN_KEY_COLUMNS = 17  # the first 17 (up to ``source``) every runs CSV must have, measured, simulated or merged
 

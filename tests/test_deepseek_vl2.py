@@ -11,6 +11,7 @@ expert sets for every token and layer, logits within 1e-4 (fp32).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from specprefetch.models import deepseek_vl2
 from specprefetch.models.deepseek_vl2 import (
     DeepseekVL2Config,
     DeepseekVL2Error,
@@ -120,7 +122,7 @@ def test_bad_checkpoint_is_named(damage: str, tmp_path: Path) -> None:
     tensors = load_file(str(path))
     if damage == "truncated":
         path.write_bytes(path.read_bytes()[:-100])
-        match = "truncated or corrupt"
+        match = re.escape(f"{path}: unreadable safetensors file")
     else:
         if damage == "missing-expert":
             del tensors["language.model.layers.2.mlp.experts.5.up_proj.weight"]
@@ -134,6 +136,72 @@ def test_bad_checkpoint_is_named(damage: str, tmp_path: Path) -> None:
         save_file(tensors, str(path))
     with pytest.raises(DeepseekVL2Error, match=match):
         load_model(tmp_path)
+
+
+def _shard(directory: Path, extra: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
+    """Split ``directory``'s model.safetensors into two shards named by model.safetensors.index.json."""
+    tensors = load_file(str(directory / "model.safetensors"))
+    (directory / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for i, (file, part) in enumerate(shards.items()):
+        save_file({n: tensors[n] for n in part} | ((extra or {}) if i else {}), str(directory / file))
+    weight_map = {n: f for f, part in shards.items() for n in part}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return weight_map
+
+
+def test_sharded_checkpoint_is_read_by_its_index(tmp_path: Path) -> None:
+    model = _model()
+    save_official(model, tmp_path)
+    _shard(tmp_path)
+    again = load_model(tmp_path)
+    ids = torch.randint(2, 300, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, again(ids).logits)
+
+
+@pytest.mark.parametrize("damage", ["missing-shard", "escaping-name", "not-json", "duplicate-tensor"])
+def test_bad_index_is_named(damage: str, tmp_path: Path) -> None:
+    save_official(_model(), tmp_path)
+    index = tmp_path / "model.safetensors.index.json"
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    if damage == "duplicate-tensor":
+        first = load_file(str(tmp_path / "model.safetensors"))
+        name = sorted(first)[0]  # lands in shard 1; put it into shard 2 as well
+        _shard(tmp_path, extra={name: first[name]})
+        match = re.escape(f"{shard}: tensor {name} is also in model-00001-of-00002.safetensors")
+    else:
+        weight_map = _shard(tmp_path)
+        if damage == "missing-shard":
+            shard.unlink()
+            match = re.escape(f"{shard}: DeepSeek-VL2 weights (listed in {index.name}) not found")
+        elif damage == "escaping-name":
+            weight_map[next(iter(weight_map))] = "../elsewhere.safetensors"
+            index.write_text(json.dumps({"weight_map": weight_map}))
+            match = re.escape(f"{tmp_path}: {index.name} weight_map names '../elsewhere.safetensors'")
+        else:
+            index.write_text("{")
+            match = re.escape(f"{index}:1: not valid JSON")
+    with pytest.raises(DeepseekVL2Error, match=match):
+        load_model(tmp_path)
+
+
+def test_no_shared_experts_add_nothing() -> None:
+    """n_shared_experts: null: a 0-dim zero (no tensor of the input's size), logits bit-identical to adding
+    zeros_like."""
+    model = _model(n_shared_experts=None)
+    zeros = [layer.mlp.shared_experts for layer in model.language.model.layers if hasattr(layer.mlp, "gate")]
+    assert zeros and all(isinstance(z, deepseek_vl2._Zero) for z in zeros)
+    x = torch.randn(2, 5, 64)
+    assert zeros[0](x).shape == () and zeros[0](x).dtype == x.dtype
+    ids = torch.randint(2, 300, (2, 11), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ours = model(ids).logits
+        for z in zeros:
+            z.forward = torch.zeros_like  # the full-size zero it used to allocate
+        full = model(ids).logits
+    assert torch.equal(ours.view(torch.int32), full.view(torch.int32))
 
 
 def test_image_tokens_are_laid_out_with_tile_tags() -> None:

@@ -7,7 +7,9 @@ first layer dense, shared experts) built here, so the tests need no pipeline out
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from specprefetch.runtime.cache import CacheError, ExpertCache
-from specprefetch.runtime.engine import POLICIES, OffloadedRuntime, RuntimeOptions
+from specprefetch.runtime.engine import POLICIES, OffloadedRuntime, OffloadError, RuntimeOptions
 from specprefetch.runtime.priority import PredictorPriority, PreviousTokenPriority, fate_from_model, select_prefetch
 from specprefetch.runtime.storage import ExpertReader, FaultInjector, make_profile
 from specprefetch.runtime.store import ExpertStore, StoreError, build_expert_store
@@ -107,13 +109,14 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def run_policy(s: dict[str, Any], policy: str, storage: str = "ram", m_max: int = 4, capacity: int = 0,
                compute_opt: bool = True, faults: FaultInjector | None = None, sync: bool = False,
-               io_workers: int = 2, record: bool = False) -> tuple[torch.Tensor, OffloadedRuntime]:
+               io_workers: int = 2, record: bool = False,
+               layer_m_max: tuple[int, ...] = ()) -> tuple[torch.Tensor, OffloadedRuntime]:
     store = s["store"]
     prof = make_profile(storage, _device(), store.layout.payload_bytes)
     reader = ExpertReader(store, prof, faults=faults, verify=True)
     cap = capacity or 2 * s["spec"].top_k + m_max
     opts = RuntimeOptions(policy=policy, m_max=m_max, capacity=cap, compute_opt=compute_opt, io_workers=io_workers,
-                          sync_prefetch=sync, record_routing=record)
+                          sync_prefetch=sync, record_routing=record, layer_m_max=layer_m_max)
     rt = OffloadedRuntime(s["model"], store, reader, opts, provider_for(policy, s["spec"]), spec=s["spec"])
     try:
         rt.install()
@@ -323,6 +326,66 @@ def test_simulator_matches_runtime_counters(setup: dict[str, Any], policy: str) 
     assert b.peak_cache_experts <= cap
 
 
+@pytest.mark.parametrize("policy", ["specprefetch", "naive"])
+def test_per_layer_budgets_in_runtime_and_simulator(setup: dict[str, Any], policy: str) -> None:
+    """``layer_m_max``: each layer's prefetches stay within its own budget (none into a layer of budget 0), the
+    tokens are the plain model's, and the simulator, given the same budgets, makes the same decisions."""
+    from specprefetch.runtime.simulator import ComputeProfile, sequences_from_events, simulate
+    from specprefetch.runtime.storage import StorageProfile
+
+    k, n_layers = setup["spec"].top_k, setup["spec"].n_layers
+    budgets = tuple([3] + [(0, 1, 3)[layer % 3] for layer in range(1, n_layers)])
+    cap = k + 3
+    out, rt = run_policy(setup, policy, m_max=3, capacity=cap, sync=True, io_workers=1, record=True,
+                         layer_m_max=budgets)
+    assert torch.equal(out, setup["ref"])
+    per_layer: dict[int, int] = defaultdict(int)
+    for ev in rt.events:
+        assert len(ev.candidates) <= budgets[ev.layer + 1] if ev.layer + 1 < n_layers else True
+        per_layer[ev.layer] += ev.prefetch_used + ev.prefetch_wasted + ev.prefetch_cancelled
+    assert all(per_layer[layer] == 0 for layer in range(1, n_layers) if budgets[layer] == 0)
+    assert any(per_layer[layer] > 0 for layer in range(1, n_layers) if budgets[layer] > 0)
+    seqs = sequences_from_events(rt.events, n_layers)
+    zero = [0.0] * n_layers
+    prof = ComputeProfile(zero, zero, zero, [1e-3] * n_layers, zero, 1e-3)
+    sim = simulate(seqs, policy, 3, cap, setup["spec"].n_experts, k, prof, StorageProfile("ram", "ram"),
+                   io_workers=1, compute_opt=True, sync=True, fixed_transfer_s=0.0, layer_m_max=budgets)
+    a, b = rt.stats(), sim.stats
+    for name in ("hits", "misses", "prefetched", "wasted", "cancelled"):
+        assert getattr(a, name) == getattr(b, name), name
+    with pytest.raises(OffloadError, match="m_max must be >= 0"):
+        RuntimeOptions(policy="specprefetch", m_max=2, layer_m_max=(2, -1))
+    assert RuntimeOptions(m_max=4, layer_m_max=(4, 1, 2)).budget_of(2) == 2
+    assert RuntimeOptions(m_max=4).budget_of(2) == 4
+
+
+def test_run_timing_service_time_is_the_union_of_transfer_intervals() -> None:
+    """The simulator's ``run`` inputs: overlapping transfers count their union once (the device's busy time);
+    prefill transfers and uncharged ones are left out."""
+    from types import SimpleNamespace
+
+    from specprefetch.runtime.bench import run_timing
+    from specprefetch.runtime.timeline import LayerEvent
+
+    def tr(step: int, a: float, b: float, charged: bool = True) -> Any:
+        return SimpleNamespace(state="done", charged=charged, step=step, t_start=a, t_end=b)
+
+    events = [LayerEvent(step=0, layer=0, n_tokens=5, t_exec=0.0, required=[0], hits=0, inflight=0, misses=1,
+                         ready_pairs=0),
+              LayerEvent(step=1, layer=0, n_tokens=1, t_exec=1.0, required=[0], hits=0, inflight=0, misses=1,
+                         ready_pairs=0, t_compute=1.0, t_ready=1.0, t_done=1.5)]
+    transfers = [tr(0, 0.1, 0.9), tr(1, 1.0, 1.004), tr(1, 1.002, 1.006), tr(1, 1.010, 1.012),
+                 tr(1, 1.0, 1.5, charged=False)]
+    res = SimpleNamespace(events=events, transfers=transfers)
+    t = run_timing(res, 1)
+    assert t["n_transfers"] == 3
+    assert t["transfer_ms"] == pytest.approx((4 + 4 + 2) / 3)
+    assert t["service_ms"] == pytest.approx((6 + 2) / 3)  # [1.000, 1.006] and [1.010, 1.012]
+    assert t["compute"]["moe_s"] == [pytest.approx(0.5)]
+    none = run_timing(SimpleNamespace(events=events, transfers=[]), 1)
+    assert none["n_transfers"] == 0 and math.isnan(none["service_ms"])
+
+
 def test_simulator_overlap_and_budget() -> None:
     """Timing logic on a scripted sequence: prefetching hides transfers inside the window, over-budget stalls."""
     from specprefetch.runtime.simulator import ComputeProfile, SimSequence, SimStep, simulate
@@ -460,6 +523,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     for r in got:
         assert float(r["tokens_per_s"]) > 0 and 0 <= float(r["ready_recall"]) <= 1 and r["tokens_match"] == "true"
         assert float(r["bound_tokens_per_s"]) > 0 and len(r["tokens_sha256"]) == 64
+        assert float(r["bound_own_tokens_per_s"]) > 0
         assert int(r["peak_cache_experts"]) <= int(r["capacity_experts"])
     # the matched experiment on the reference storage is main's runs (measured once, same repeat); the component
     # analysis pairs across compute_opt, so it runs whole in its own block
@@ -476,8 +540,19 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     check_routing_record(record, tmp_path / "r.safetensors", "tiny")
     val = validate_simulator(record, prof, s)
     err = summarize_validation(val)
-    assert len(val) == len(record["runs"]) * 7 and all(v == v for v in (err["tokens_per_s"], err["hits"]))
+    assert len(val) == len(record["runs"]) * 7 * 2 and set(err) == {"profile", "run"}
+    assert all(v == v for e in err.values() for v in (e["tokens_per_s"], e["hits"]))
     assert {v["n_repeats"] for v in val} == {1} and all(len(r["repeats"]) == 1 for r in record["runs"].values())
+    # the run inputs are each repeat's own: the compute of its layers and, off the emulated devices, its transfers
+    for run in record["runs"].values():
+        (tm,) = run["timings"]
+        assert len(tm["compute"]["moe_s"]) == spec.n_layers and all(t > 0 for t in tm["compute"]["moe_s"])
+        resident = run["row"]["policy"] == "resident"
+        assert (tm["n_transfers"] == 0) == resident and (resident or tm["transfer_ms"] > 0)
+    # replayed with its own inputs, OFF's counters are the runtime's (the same routing through the same cache)
+    off = {v["metric"]: v for v in val if v["inputs"] == "run" and v["policy"] == "off"
+           and v["experiment"] == "main"}
+    assert off["misses"]["rel_error"] == 0 and off["hits"]["rel_error"] == 0
 
 
 def test_groups_measured_by_an_earlier_experiment_are_reused() -> None:
@@ -492,7 +567,21 @@ def test_groups_measured_by_an_earlier_experiment_are_reused() -> None:
         ("matched", "nvme_cold"): "main",       # OFF, Naive, SpecPrefetch, FATE at M_max: all in main
         ("storage", "nvme_cold"): "main",
         ("storage", "slow_ufs"): "matched",
+        # without per-layer budgets (or with every layer's equal to M_max) the budget experiment is one budget
+        **{("budget", st): src for st, src in (("nvme_cold", "main"), ("slow_ufs", "matched"), ("nvme", "storage"),
+                                                ("ufs", "storage"))},
     }  # the sweep (every M) and the component analysis (compute_opt off too) are not all in main: they run whole
+    assert len(plan["budget"]) == 2 * len(set(s["storages"]) | {"nvme_cold", "slow_ufs"})
+    # per-layer budgets that differ from M_max on one storage: that storage's budget group (OFF, M_max, M_max,l) runs
+    n = 5
+    layers = {st: (5,) * n for st in ("nvme_cold", "slow_ufs", "nvme")} | {"ufs": (5, 6, 6, 4, 5)}
+    plan = plan_experiments(s, 5, s["experiments"], layers)
+    reuse = reused_groups(plan)
+    assert ("budget", "ufs") not in reuse and reuse[("budget", "nvme")] == "storage"
+    ufs = [c for c in plan["budget"] if c.storage == "ufs"]
+    assert [(c.policy, c.layers) for c in ufs] == [("off", ()), ("specprefetch", ()),
+                                                   ("specprefetch", (5, 6, 6, 4, 5))]
+    assert len({c.key for c in ufs}) == 3 and ufs[2].key.endswith("|L6/6/4/5")
     # a group only partly measured before (main needs more than storage ran) runs in full
     assert reused_groups(plan_experiments(s, 5, ["storage", "main"])) == {}
 
@@ -660,7 +749,7 @@ def test_per_model_experiments() -> None:
     d = device_settings(cfg)
     assert experiments_for(d, "tiny-qwen3-vl-moe") == ["main"]
     assert experiments_for(d, "tiny-deepseek-vl2") == d["experiments"] == ["main", "matched", "sweep", "storage",
-                                                                            "component"]
+                                                                            "component", "budget"]
     bad = {**cfg, "device": {**cfg["device"], "model_experiments": {"tiny-deepseek-vl2": ["nope"]}}}
     with pytest.raises(SpecPrefetchError, match=r"device.model_experiments.tiny-deepseek-vl2': 'nope'"):
         device_settings(bad)
@@ -722,3 +811,30 @@ def test_control_path_benchmark_script_runs() -> None:
     spec.loader.exec_module(mod)
     res = mod.control_path_us(32, 16, 4, 4, reps=5)
     assert set(res) == {"matmul", "scores", "select", "control"} and all(v[0] > 0 for v in res.values())
+
+
+def test_device_summary_script_reads_the_committed_runs(tmp_path: Path) -> None:
+    """scripts/device_summary.py on the committed paper_tables/results: every measured main-comparison policy is a
+    row, with its gain CI, and the spread table gives the repeats a 2 pp CI would need (at least those measured)."""
+    import subprocess
+    import sys
+
+    from specprefetch.config import REPO_ROOT
+
+    res = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "device_summary.py"),
+                          str(REPO_ROOT / "paper_tables" / "results")], capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout
+    assert "**tiny-deepseek-vl2, main, nvme_cold**" in out and "Run-to-run spread" in out
+    main = out.split("**tiny-deepseek-vl2, main, nvme_cold**")[1].split("\n\n")[1]
+    rows = {line.split("|")[1].strip(): line for line in main.splitlines() if line.startswith("| ")}
+    assert {"off", "specprefetch", "fate", "naive", "pred0", "resident"} <= set(rows)
+    assert "[" in rows["specprefetch"] and "%" in rows["specprefetch"]
+    spread = out.split("Run-to-run spread")[1]
+    needs = [int(line.rstrip(" |").rsplit("|", 1)[1]) for line in spread.splitlines()
+             if line.startswith("| tiny-")]
+    assert needs and all(n >= 2 for n in needs)
+    (tmp_path / "empty").mkdir()
+    bad = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "device_summary.py"), str(tmp_path / "empty")],
+                         capture_output=True, text=True, check=False)
+    assert bad.returncode != 0 and "no device/runs.csv" in bad.stderr and "Traceback" not in bad.stderr

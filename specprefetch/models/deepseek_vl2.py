@@ -47,6 +47,7 @@ from transformers import DeepseekV2Config, PreTrainedConfig
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as dsv2
 
+from specprefetch.contracts import load_safetensors, member, read_doc, require, reraise_as
 from specprefetch.io import SpecPrefetchError
 from specprefetch.models.selection import router_scores, select_experts
 
@@ -344,10 +345,13 @@ class DecoderLayer(dsv2.DeepseekV2DecoderLayer):
 
 
 class _Zero(nn.Module):
-    """No shared experts (``n_shared_experts: null``): adds nothing."""
+    """No shared experts (``n_shared_experts: null``): adds nothing. ``DeepseekV2Moe.forward`` adds
+    ``shared_experts(residuals)`` to the routed output; a 0-dim zero of the input's dtype broadcasts there (and does
+    not change the sum's dtype), so nothing of the input's size is allocated. The sum is the one ``zeros_like``
+    gave, bit for bit (``x + 0`` turns -0.0 into +0.0 in both)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.zeros_like(x)
+        return x.new_zeros(())
 
 
 def is_moe_layer(config: DeepseekV2Config, idx: int) -> bool:
@@ -525,29 +529,27 @@ def to_official_state_dict(model: DeepseekVL2ForCausalLM) -> dict[str, Tensor]:
 
 
 def _read_safetensors(directory: Path) -> dict[str, Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+    """Every tensor of the checkpoint: the files ``model.safetensors.index.json`` names (else every
+    ``*.safetensors``), each read by ``contracts.load_safetensors``; a tensor in two files is an error."""
     index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise DeepseekVL2Error(f"{index}: not a safetensors index ({exc})") from None
-    else:
-        files = sorted(p.name for p in directory.glob("*.safetensors"))
-    if not files:
-        raise DeepseekVL2Error(f"{directory}: no safetensors weights")
-    tensors: dict[str, Tensor] = {}
-    for f in files:
-        path = directory / f
-        if not path.is_file():
-            raise DeepseekVL2Error(f"{path}: listed in {index.name} but missing")
-        try:
-            tensors.update(load_file(str(path)))
-        except (SafetensorError, OSError) as exc:
-            raise DeepseekVL2Error(f"{path}: cannot read safetensors ({exc}); the file is truncated or corrupt") \
-                from None
+    with reraise_as(DeepseekVL2Error):
+        if index.is_file():
+            doc = read_doc(index, None, "safetensors index", required=("weight_map",))
+            weight_map = require(doc, "weight_map", dict, str(index))
+            files = sorted({member(directory, name, f"{index.name} weight_map") for name in weight_map.values()})
+            what = f"DeepSeek-VL2 weights (listed in {index.name})"
+        else:
+            files = sorted(directory.glob("*.safetensors"))
+            what = "DeepSeek-VL2 weights"
+        if not files:
+            raise DeepseekVL2Error(f"{directory}: no safetensors weights")
+        tensors: dict[str, Tensor] = {}
+        source: dict[str, Path] = {}
+        for path in files:
+            for name, t in load_safetensors(path, what).items():
+                if name in source:
+                    raise DeepseekVL2Error(f"{path}: tensor {name} is also in {source[name].name}")
+                tensors[name], source[name] = t, path
     return tensors
 
 

@@ -8,7 +8,10 @@ Experiments (the ``experiment`` column of ``runs.csv``), all on the same prompts
   slow storage;
 - ``sweep`` (Figure 4): SpecPrefetch at every ``device.sweep_m_max`` (and the profiled one) vs OFF, reference storage;
 - ``storage`` (Figure 5): OFF vs SpecPrefetch on every storage profile;
-- ``component`` (Figure 6): compute_opt off/on x prefetch off/on, reference storage (page cache evicted).
+- ``component`` (Figure 6): compute_opt off/on x prefetch off/on, reference storage (page cache evicted);
+- ``budget``: OFF vs SpecPrefetch with the storage's one budget ``M_max`` vs with the per-layer budgets
+  ``M_max,l = ⌊W_l / t_transfer⌋`` (the window profile's ``m_max_per_layer``), on every storage (column
+  ``layer_m_max``; where every layer's budget equals ``M_max`` the two are one configuration, measured once).
 
 Within an experiment, repeat ``r`` of every configuration runs back to back before repeat ``r+1`` starts, so
 gains are paired: ``tokens_per_s / tokens_per_s(off, same experiment, storage, compute_opt, repeat) - 1``.
@@ -20,7 +23,7 @@ Every run must decode exactly the tokens of the plain model's greedy ``generate(
 runtime: :meth:`Harness.plain_generations`); the router decides, so a policy cannot change them; a run that does
 is an error. Each run's tokens (``tokens_sha256``; the tokens themselves in the routing record), routing and
 priorities are kept so the simulator can replay it. ``bound_tokens_per_s`` is the run's overlap bound
-(:func:`overlap_bound`).
+(:func:`overlap_bound`) with the all-resident compute, ``bound_own_tokens_per_s`` the same with the run's own.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ log = logging.getLogger(__name__)
 
 
 
-Signature = tuple[str, str, int, bool]  # (policy, storage, budget, compute_opt): what the runtime is given
+# (policy, storage, budget, compute_opt, per-layer budgets or ()): what the runtime is given
+Signature = tuple[str, str, int, bool, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -57,10 +61,12 @@ class RunConfig:
     storage: str
     m_max: int
     compute_opt: bool = True
+    layer_m_max: tuple[int, ...] = ()  # per-layer budgets (index: the layer prefetched into); (): m_max everywhere
 
     @property
     def key(self) -> str:
-        return f"{self.experiment}|{self.policy}|{self.storage}|{self.m_max}|{int(self.compute_opt)}"
+        per = f"|L{layer_budgets_label(self.layers)}" if self.layers else ""
+        return f"{self.experiment}|{self.policy}|{self.storage}|{self.m_max}|{int(self.compute_opt)}{per}"
 
     @property
     def budget(self) -> int:
@@ -68,9 +74,43 @@ class RunConfig:
         return self.m_max if POLICY[self.policy].budgeted else 0
 
     @property
+    def layers(self) -> tuple[int, ...]:
+        """The per-layer budgets the runtime uses: () when unbudgeted or every layer's equals ``m_max``."""
+        if not POLICY[self.policy].budgeted or all(m == self.m_max for m in self.layer_m_max[1:]):
+            return ()
+        return self.layer_m_max
+
+    @property
     def signature(self) -> Signature:
         """What the runtime is given, whatever the experiment."""
-        return (self.policy, self.storage, self.budget, self.compute_opt)
+        return (self.policy, self.storage, self.budget, self.compute_opt, self.layers)
+
+
+def layer_budgets_label(budgets: tuple[int, ...]) -> str:
+    """runs.csv's ``layer_m_max``: the per-layer budgets of layers 1..L-1 ("" for the one budget)."""
+    return "/".join(str(m) for m in budgets[1:])
+
+
+def parse_layer_budgets(label: Any, m_max: int) -> tuple[int, ...]:
+    """The inverse of :func:`layer_budgets_label` (index 0, never prefetched into, is ``m_max``)."""
+    text = "" if label is None or (isinstance(label, float) and math.isnan(label)) else str(label)
+    return (int(m_max), *(int(m) for m in text.split("/"))) if text else ()
+
+
+def resolve_layer_m_max(settings: dict[str, Any], profile: dict[str, Any],
+                        m_max: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Per-layer budgets per storage (index: the layer prefetched into; layer 0's is the storage's M_max): the window
+    profile's ``m_max_per_layer`` when the budget is profiled, else ``m_max`` everywhere."""
+    per = profile.get("m_max_per_layer") or {}
+    n_layers = int(profile.get("n_layers", 0))
+    out = {}
+    for st, m in m_max.items():
+        layers = per.get(st) if settings["m_max"] == "auto" else None
+        if layers is not None and len(layers) != n_layers - 1:
+            raise SpecPrefetchError(f"window profile's m_max_per_layer[{st!r}] has {len(layers)} layers, expected "
+                                    f"{n_layers - 1}: rerun profile-window")
+        out[st] = (m, *(int(x) for x in layers)) if layers is not None else (m,) * max(1, n_layers)
+    return out
 
 
 def resolve_m_max(settings: dict[str, Any], profile: dict[str, Any]) -> dict[str, int]:
@@ -86,12 +126,13 @@ def resolve_m_max(settings: dict[str, Any], profile: dict[str, Any]) -> dict[str
     return {st: int(per[st]) for st in storages}
 
 
-def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int,
-                     experiments: Iterable[str]) -> dict[str, list[RunConfig]]:
+def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, experiments: Iterable[str],
+                     layer_budgets: dict[str, tuple[int, ...]] | None = None) -> dict[str, list[RunConfig]]:
     """The configurations of every experiment, each storage at its own budget ``budgets[storage]`` (an integer:
-    the same budget everywhere)."""
+    the same budget everywhere) and, for ``budget``, its per-layer budgets ``layer_budgets[storage]``."""
     ref, slow = settings["reference_storage"], settings["slow_storage"]
     m_max = budgets if isinstance(budgets, dict) else defaultdict(lambda: int(budgets))
+    per_layer = layer_budgets or {}
     out: dict[str, list[RunConfig]] = {}
     for exp in experiments:
         if exp == "main":
@@ -109,6 +150,11 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int,
         elif exp == "component":
             out[exp] = [RunConfig(exp, p, ref, m_max[ref], opt) for opt in (False, True)
                         for p in ("off", "specprefetch")]
+        elif exp == "budget":
+            out[exp] = [RunConfig(exp, p, st, m_max[st], True, lb) for st in dict.fromkeys([ref, slow,
+                                                                                         *settings["storages"]])
+                        for p, lb in (("off", ()), ("specprefetch", ()), ("specprefetch", per_layer.get(st, ())))]
+            out[exp] = list({c.signature: c for c in out[exp]}.values())  # one budget in every layer: one run
         else:
             raise SpecPrefetchError(f"unknown experiment {exp!r}")
     return out
@@ -160,18 +206,23 @@ def overlap_bound(events: list[Any], comp: dict[str, Any] | None, transfer_ms: f
 
 
 def set_bounds(rows: list[dict[str, Any]], events_of: dict[tuple[str, int, Signature], list[Any]],
-               profile: dict[str, Any], n_layers: int) -> None:
+               profile: dict[str, Any], n_layers: int,
+               timings_of: dict[tuple[str, int, Signature], dict[str, Any]] | None = None) -> None:
     """Fill ``bound_tokens_per_s`` of every row (:func:`overlap_bound`). The compute of repeat ``r`` is the
     all-resident run of the same repeat (measured in the same block, so the bound sees the host as the run did);
     without one, and for ``compute_opt`` off, the window profile's compute profile. Transfer times: the window
-    profile's per storage (isolated and in the runtime; the smaller)."""
+    profile's per storage (isolated and in the runtime; the smaller). With ``timings_of`` (:func:`run_timing` of
+    each run) also ``bound_own_tokens_per_s``: the same bound with the run's own measured compute, so the gap to the
+    bound splits into compute the offloaded run lost (the host's cores and memory shared with its transfers) and
+    the transfers it left exposed."""
     from specprefetch.runtime.window import compute_profile
 
     resident = {r: compute_profile(evs, n_layers) for (exp, r, sig), evs in events_of.items()
                 if sig[0] == "resident" and sig[3]}
     t_used = profile.get("transfer_ms_used") or {}
     for row in rows:
-        sig = (row["policy"], row["storage"], int(row["m_max"]), bool(row["compute_opt"]))
+        sig = (row["policy"], row["storage"], int(row["m_max"]), bool(row["compute_opt"]),
+               parse_layer_budgets(row.get("layer_m_max"), int(row["m_max"])))
         evs = events_of.get((row["measured_in"], int(row["repeat"]), sig))
         if evs is None:
             continue
@@ -180,7 +231,11 @@ def set_bounds(rows: list[dict[str, Any]], events_of: dict[tuple[str, int, Signa
         times = [t for t in (t_used.get(row["storage"]),
                              profile.get("transfer_ms", {}).get(row["storage"], {}).get("transfer_ms"))
                  if t is not None and math.isfinite(t)]
-        row["bound_tokens_per_s"] = overlap_bound(evs, comp, min(times) if times else None)
+        t = min(times) if times else None
+        row["bound_tokens_per_s"] = overlap_bound(evs, comp, t)
+        own = (timings_of or {}).get((row["measured_in"], int(row["repeat"]), sig))
+        if own is not None:
+            row["bound_own_tokens_per_s"] = overlap_bound(evs, own["compute"], t)
 
 
 def run_row(res: RunResult, cfg: RunConfig, repeat: int, platform: str, model: str, layout: Any,
@@ -198,7 +253,7 @@ def run_row(res: RunResult, cfg: RunConfig, repeat: int, platform: str, model: s
         "capacity_bytes": res.capacity * record_bytes, "decode_s": res.decode_s, "record_bytes": record_bytes,
         "expert_format": layout.quant if layout.quant != "none" else str(layout.dtype).removeprefix("torch."),
         "tokens_match": tokens_match, "tokens_sha256": tokens_sha256(res.tokens()), "bound_tokens_per_s": bound,
-        "measured_in": cfg.experiment,
+        "measured_in": cfg.experiment, "layer_m_max": layer_budgets_label(cfg.layers),
     }
 
 
@@ -206,6 +261,27 @@ def recorded_routing(res: RunResult) -> list[dict[str, Any]]:
     """The run's per-event routing and priorities, compactly (the simulator's replay input)."""
     return [{"step": ev.step, "layer": ev.layer, "topk": ev.topk.to(torch.int16) if ev.topk is not None else None,
              "scores": ev.scores.float() if ev.scores is not None else None} for ev in res.events]
+
+
+def run_timing(res: RunResult, n_layers: int) -> dict[str, Any]:
+    """What the host gave the run, as the simulator's inputs (``validate_simulator``'s ``run`` inputs): the run's own
+    per-layer compute durations (:func:`~specprefetch.runtime.window.compute_profile` of its events, stalls
+    excluded), the mean duration of its transfers during decoding (read start to slot filled) and its per-expert
+    service time (the time some transfer was running, divided by their number: what one expert costs the device when
+    transfers overlap); NaN with no transfer."""
+    from specprefetch.runtime.window import compute_profile
+
+    decoding = {ev.step for ev in res.events if ev.n_tokens == 1}
+    spans = sorted((tr.t_start, tr.t_end) for tr in res.transfers
+                   if tr.state == "done" and tr.charged and tr.step in decoding and tr.t_end > tr.t_start > 0)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # the union of the transfers' intervals: the time the device was serving
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    n = len(spans)
+    return {"compute": compute_profile(res.events, n_layers), "n_transfers": n,
+            "transfer_ms": sum(b - a for a, b in spans) / n * 1e3 if n else float("nan"),
+            "service_ms": busy / n * 1e3 if n else float("nan")}
 
 
 def block_order(configs: list[RunConfig], seed: int, experiment: str, repeat: int) -> list[RunConfig]:
@@ -226,7 +302,8 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     """
     settings = harness.settings
     m_max = resolve_m_max(settings, profile)
-    plan = plan_experiments(settings, m_max, experiments or settings["experiments"])
+    plan = plan_experiments(settings, m_max, experiments or settings["experiments"],
+                            resolve_layer_m_max(settings, profile, m_max))
     reuse = reused_groups(plan)
     repeats = int(settings["repeats"])
     n_runs = sum(1 for exp, v in plan.items() for c in v if (exp, c.storage) not in reuse) * repeats
@@ -243,6 +320,7 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     measured: dict[tuple[str, int, Signature], dict[str, Any]] = {}
     routing: dict[str, Any] = {}
     events_of: dict[tuple[str, int, Signature], list[Any]] = {}
+    timings_of: dict[tuple[str, int, Signature], dict[str, Any]] = {}
     done = 0
     for exp, configs in plan.items():
         for r in range(repeats):
@@ -251,7 +329,8 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
                 if src is not None:
                     rows.append({**measured[(src, r, cfg.signature)], "experiment": exp})
                     continue
-                res = harness.run(cfg.policy, cfg.storage, cfg.m_max, cfg.compute_opt, record=True)
+                res = harness.run(cfg.policy, cfg.storage, cfg.m_max, cfg.compute_opt, record=True,
+                                  layer_m_max=cfg.layers)
                 done += 1
                 match = res.tokens() == plain
                 if not match:
@@ -261,12 +340,14 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
                              "run_order": pos})
                 measured[(exp, r, cfg.signature)] = rows[-1]
                 events_of[(exp, r, cfg.signature)] = res.events
+                timings_of[(exp, r, cfg.signature)] = timing = run_timing(res, harness.store.n_layers)
                 if r == 0:  # routing and priorities are the same in every repeat (same tokens): record one
                     routing[cfg.key] = {"row": rows[-1], "events": recorded_routing(res), "repeats": [],
-                                        "tokens": torch.tensor(res.tokens(), dtype=torch.int64)}
+                                        "timings": [], "tokens": torch.tensor(res.tokens(), dtype=torch.int64)}
                 routing[cfg.key]["repeats"].append(rows[-1])
+                routing[cfg.key]["timings"].append(timing)
                 log.info("[%d/%d] %s r%d: %.2f tok/s", done, n_runs, cfg.key, r, res.tokens_per_s)
-    set_bounds(rows, events_of, profile, harness.store.n_layers)
+    set_bounds(rows, events_of, profile, harness.store.n_layers, timings_of)
     write_runs_csv(out_csv, rows)
     if routing_out is not None:
         save_tensor_tree(routing_out, {"model": model, "platform": platform, "capacity": harness.capacity,

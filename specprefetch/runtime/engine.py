@@ -66,12 +66,17 @@ class RuntimeOptions:
     record_routing: bool = False  # keep each event's top-k and priorities (simulator input)
     preload: bool = False         # every expert resident before the run (implied by policy "resident")
     topm_absent: tuple[int, ...] = ()  # record |Top_M(s) minus available| at t_pred for these M (Figure 1b)
+    layer_m_max: tuple[int, ...] = ()  # per-layer budget M_max,l (index: the layer prefetched into); (): m_max
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise OffloadError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
-        if self.m_max < 0:
-            raise OffloadError(f"m_max must be >= 0, got {self.m_max}")
+        if self.m_max < 0 or any(m < 0 for m in self.layer_m_max):
+            raise OffloadError(f"m_max must be >= 0, got {self.m_max} {list(self.layer_m_max) or ''}")
+
+    def budget_of(self, layer: int) -> int:
+        """M_max of the prefetches into ``layer``: its per-layer budget when one is given, else ``m_max``."""
+        return self.layer_m_max[layer] if self.layer_m_max else self.m_max
 
 
 def top_k_index_row(idx: Tensor, device: torch.device) -> Tensor:
@@ -311,7 +316,7 @@ class OffloadedRuntime:
             return
         if self.opt.record_routing:
             ev.scores = s.clone()
-        issue_prefetches(self.cache, self.engine, self._issued, ev, self.step, l, s, self.opt.m_max,
+        issue_prefetches(self.cache, self.engine, self._issued, ev, self.step, l, s, self.opt.budget_of(l + 1),
                          self.provider.empty_when_zero, self.policy.issues, protect, ev.t_pred, self.opt.topm_absent)
 
     def _release(self, key: Key, slot: int, protect: set[Key]) -> None:

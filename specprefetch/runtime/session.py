@@ -126,9 +126,12 @@ class Harness:
     def run(self, policy: str, storage: str, m_max: int = 0, compute_opt: bool = True, record: bool = False,
             preload: bool = False, capacity: int | None = None, topm_absent: tuple[int, ...] = (),
             max_new_tokens: int | None = None, prompts: list[Prompt] | None = None,
-            on_runtime: Callable[[OffloadedRuntime], Any] | None = None) -> RunResult:
-        """One measured run of ``policy`` (see the module docstring)."""
-        opts = RuntimeOptions(policy=policy, m_max=m_max if POLICY[policy].budgeted else 0,
+            on_runtime: Callable[[OffloadedRuntime], Any] | None = None,
+            layer_m_max: tuple[int, ...] = ()) -> RunResult:
+        """One measured run of ``policy`` (see the module docstring); ``layer_m_max``: per-layer budgets."""
+        budgeted = POLICY[policy].budgeted
+        opts = RuntimeOptions(policy=policy, m_max=m_max if budgeted else 0,
+                              layer_m_max=tuple(layer_m_max) if budgeted else (),
                               capacity=capacity or self.capacity, compute_opt=compute_opt,
                               io_workers=int(self.settings["io_workers"]), io_retries=int(self.settings["io_retries"]),
                               record_routing=record, preload=preload, topm_absent=topm_absent)

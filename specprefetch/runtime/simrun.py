@@ -1,10 +1,10 @@
 """Using the simulator: validation against measured runs, and estimates for platforms that are not here.
 
 ``validate_simulator`` replays every recorded benchmark configuration (its routing and priorities, saved by
-``bench_runtime``; the same in every repeat) on this machine's profiled compute and storage model, and compares
-throughput, ReadyRecall and the counters with what the runtime measured, averaged over the repeats
-(``sim_validation.csv``: one row per configuration and metric, with the relative error). The simulator is
-deterministic; the mean over repeats keeps the host's run-to-run noise out of its error as far as the repeats can.
+``bench_runtime``; the same in every repeat) and compares throughput, ReadyRecall and the counters with what the
+runtime measured, averaged over the repeats (``sim_validation.csv``: one row per inputs, configuration and metric,
+with the relative error). Two kinds of inputs: this machine's window profile (``profile``), and each repeat's own
+compute durations and transfer time (``run``), which separates the host's drift from the simulator's model.
 
 ``simulate_platform`` replays a model's routing trace (``results/traces/{model}/{workload}``) with the trained
 predictors' priorities on a platform profile (:mod:`specprefetch.runtime.platforms`) and writes runs in the
@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from specprefetch.contracts import EMULATED, RUN_COLUMNS
 from specprefetch.io import SpecPrefetchError, atomic_path
-from specprefetch.runtime.bench import Signature, plan_experiments, write_runs_csv
+from specprefetch.runtime.bench import Signature, parse_layer_budgets, plan_experiments, write_runs_csv
 from specprefetch.runtime.platforms import calibrate_bandwidth, compute_profile_of, nvme_profile, platform_profile
 from specprefetch.runtime.simulator import (
     ComputeProfile,
@@ -40,8 +40,8 @@ from specprefetch.runtime.storage import StorageProfile, make_profile
 
 log = logging.getLogger(__name__)
 
-VALIDATION_COLUMNS = ["platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "metric",
-                      "measured", "simulated", "rel_error", "n_repeats"]
+VALIDATION_COLUMNS = ["inputs", "platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt",
+                      "layer_m_max", "metric", "measured", "simulated", "rel_error", "n_repeats"]
 METRICS = ("tokens_per_s", "ready_recall", "hits", "misses", "prefetched", "wasted", "stall_ms")
 
 
@@ -117,38 +117,86 @@ def check_routing_record(record: Any, path: str | Path, model: str) -> None:
         for i, rep in enumerate(run.get("repeats") or []):
             for col in METRICS:
                 require(rep, col, (int, float), f"{at} repeat {i}")
+        for i, tm in enumerate(run.get("timings") or []):
+            if not isinstance(tm, dict):
+                raise ContractError(f"{at} timing {i}: must be a mapping")
+            require(tm, "transfer_ms", (int, float), f"{at} timing {i}")
+            comp = require(tm, "compute", dict, f"{at} timing {i}")
+            require(comp, "head_s", (int, float), f"{at} timing {i} compute")
+            for col in ("book_s", "pred_s", "post_pred_s", "moe_s", "gap_s"):
+                vals = require(comp, col, list, f"{at} timing {i} compute")
+                if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in vals):
+                    raise ContractError(f"{at} timing {i} compute {col!r}: must be finite durations >= 0")
+
+
+def _run_inputs(profile: dict[str, Any], timing: dict[str, Any], storage: str, settings: dict[str, Any],
+                compute_opt: bool) -> tuple[ComputeProfile, StorageProfile, float | None]:
+    """The ``run`` inputs of one measured run: its own compute durations; on the real disk a device serving one
+    expert at a time at the run's per-expert service time (as ``profile`` inputs model it, at the profiled
+    bandwidth); emulated devices keep their model."""
+    dev, fixed, overhead = local_storage(profile, storage, settings)
+    c = timing["compute"]
+    compute = ComputeProfile(list(c["book_s"]), list(c["pred_s"]), list(c["post_pred_s"]), list(c["moe_s"]),
+                             list(c["gap_s"]), float(c["head_s"]), overhead, 0.0)
+    t = float(timing.get("service_ms", float("nan")))
+    if storage == "nvme_cold" and math.isfinite(t) and t > 0:
+        payload = int(profile["payload_bytes"])
+        dev = StorageProfile(storage, "emulated", payload / (t * 1e-3) / 1e6, 0.0, payload)
+    return compute, dev, fixed
 
 
 def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
                        settings: dict[str, Any]) -> list[dict[str, Any]]:
-    """Simulate every recorded run with this machine's profile; rows of measured vs simulated per metric."""
+    """Simulate every recorded run and compare it with what the runtime measured (mean over the repeats), twice:
+
+    - ``inputs = profile``: this machine's window profile (compute per layer, the cold disk's fitted bandwidth, the
+      emulated devices' models, the CPU a transfer takes) -- what a prediction made before the runs would use;
+    - ``inputs = run``: each repeat simulated with that repeat's own compute durations and mean transfer time
+      (``timings``), the simulated metrics then averaged -- the host's drift between profiling and benchmarking and
+      the CPU the transfers took from compute are in the inputs, so what is left is the simulator's model of
+      overlap, queueing and the runtime's decisions.
+    """
     n_layers, n_experts, top_k = int(profile["n_layers"]), int(profile["n_experts"]), int(profile["top_k"])
     rows = []
     for _key, run in tqdm(sorted(record["runs"].items()), desc="simulator validation", disable=None):
         m = run["row"]
         seqs = sequences_from_record(run["events"], n_layers)
+        opt = bool(m["compute_opt"])
+
+        def sim(compute: ComputeProfile, storage: StorageProfile, fixed: float | None,
+                seqs: list[SimSequence] = seqs, m: dict[str, Any] = m, opt: bool = opt) -> dict[str, float]:
+            res = simulate(seqs, m["policy"], int(m["m_max"]), int(m["capacity_experts"]), n_experts, top_k,
+                           compute, storage, int(profile["io_workers"]), opt, fixed_transfer_s=fixed,
+                           layer_m_max=parse_layer_budgets(m.get("layer_m_max"), int(m["m_max"])))
+            return {"tokens_per_s": res.tokens_per_s, **{k: float(getattr(res.stats, k)) for k in METRICS[1:]}}
+
         storage, fixed, overhead = local_storage(profile, m["storage"], settings)
         cpu = profile.get("transfer_cpu_ms", {})
         cpu_ms = cpu.get("nvme_cold" if m["storage"] == "nvme_cold" else "ram", 0.0)  # emulated: page-cache reads
-        compute = ComputeProfile.from_profile(profile, bool(m["compute_opt"]), overhead, cpu_ms * 1e-3)
-        res = simulate(seqs, m["policy"], int(m["m_max"]), int(m["capacity_experts"]), n_experts, top_k, compute,
-                       storage, int(profile["io_workers"]), bool(m["compute_opt"]), fixed_transfer_s=fixed)
-        sim = {"tokens_per_s": res.tokens_per_s, **{k: getattr(res.stats, k) for k in METRICS[1:]}}
+        sims = {"profile": sim(ComputeProfile.from_profile(profile, opt, overhead, cpu_ms * 1e-3), storage, fixed)}
+        timings = run.get("timings") or []
+        if timings:
+            per = [sim(*_run_inputs(profile, t, m["storage"], settings, opt)) for t in timings]
+            sims["run"] = {k: statistics.fmean(p[k] for p in per) for k in METRICS}
         repeats = run.get("repeats") or [m]
-        for metric in METRICS:
-            measured = statistics.fmean(float(r[metric]) for r in repeats)
-            rows.append({**{k: m[k] for k in VALIDATION_COLUMNS[:7]}, "metric": metric, "measured": measured,
-                         "simulated": float(sim[metric]), "rel_error": relative_error(float(sim[metric]), measured),
-                         "n_repeats": len(repeats)})
+        for inputs, got in sims.items():
+            for metric in METRICS:
+                measured = statistics.fmean(float(r[metric]) for r in repeats)
+                rows.append({"inputs": inputs, **{k: m.get(k, "") for k in VALIDATION_COLUMNS[1:9]},
+                             "metric": metric, "measured": measured, "simulated": float(got[metric]),
+                             "rel_error": relative_error(float(got[metric]), measured), "n_repeats": len(repeats)})
     return rows
 
 
-def summarize_validation(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Mean absolute relative error per metric (NaNs, e.g. zero measured counts, skipped)."""
-    out = {}
-    for metric in METRICS:
-        errs = [abs(r["rel_error"]) for r in rows if r["metric"] == metric and math.isfinite(r["rel_error"])]
-        out[metric] = statistics.fmean(errs) if errs else float("nan")
+def summarize_validation(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Mean absolute relative error per inputs and metric (NaNs, e.g. zero measured counts, skipped)."""
+    out: dict[str, dict[str, float]] = {}
+    for inputs in dict.fromkeys(r["inputs"] for r in rows):
+        out[inputs] = {}
+        for metric in METRICS:
+            errs = [abs(r["rel_error"]) for r in rows
+                    if r["inputs"] == inputs and r["metric"] == metric and math.isfinite(r["rel_error"])]
+            out[inputs][metric] = statistics.fmean(errs) if errs else float("nan")
     return out
 
 
@@ -179,7 +227,7 @@ def simulate_platform(platform: str, model: str, arch: str, trace_readers: Seque
     log.info("%s: NVMe bandwidth fitted to OFF = %.3f tok/s: %.0f MB/s", platform, p["off_tokens_per_s"], bw)
     m_max = int(p["m_max"])
     s = {**settings, "reference_storage": "nvme_cold"}
-    plan = plan_experiments(s, m_max, [e for e in experiments if e != "component"])
+    plan = plan_experiments(s, m_max, [e for e in experiments if e not in ("component", "budget")])
     rows = []
     results: dict[Signature, Any] = {}  # deterministic: a configuration of several experiments is simulated once
     for exp, configs in plan.items():

@@ -259,8 +259,9 @@ class SimResult:
 def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity: int, n_experts: int,
              top_k: int, compute: ComputeProfile, storage: StorageProfile, io_workers: int = 4,
              compute_opt: bool = True, sync: bool = False, fixed_transfer_s: float | None = None,
-             preload: bool = False) -> SimResult:
-    """Replay ``sequences`` under ``policy`` (see the module docstring); returns counters and throughput."""
+             preload: bool = False, layer_m_max: Sequence[int] = ()) -> SimResult:
+    """Replay ``sequences`` under ``policy`` (see the module docstring); returns counters and throughput.
+    ``layer_m_max``: per-layer budgets (index: the layer prefetched into), as the runtime's option."""
     if policy not in POLICIES:
         raise SimulationError(f"unknown policy {policy!r}")
     if not sequences or not sequences[0].steps:
@@ -290,7 +291,8 @@ def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity
         for st in seq.steps:
             step += 1
             for l in range(n_layers):
-                t = _layer(l, st, step, t, io, cache, events, issued, policy, predicting, naive, m_max,
+                budget = layer_m_max[l + 1] if layer_m_max and l + 1 < len(layer_m_max) else m_max
+                t = _layer(l, st, step, t, io, cache, events, issued, policy, predicting, naive, budget,
                            n_experts, n_layers, compute, compute_opt, sync)
                 t += compute.gap_s[l] if l + 1 < n_layers else compute.head_s
             ends.append(t)

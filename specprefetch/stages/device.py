@@ -160,8 +160,9 @@ def _cmd_validate_simulator(args: argparse.Namespace) -> None:
     check_routing_record(record, args.routing, args.model)
     val = validate_simulator(record, profile, settings)
     summary = summarize_validation(val)
-    log.info("simulator vs measured, mean |relative error|: %s",
-             ", ".join(f"{k} {v:.1%}" for k, v in summary.items()))
+    for inputs, errs in summary.items():
+        log.info("simulator vs measured (%s inputs), mean |relative error|: %s", inputs,
+                 ", ".join(f"{k} {v:.1%}" for k, v in errs.items()))
     write_validation_csv(args.out, val)
     write_json_atomic(Path(args.out).with_suffix(".json"), {"validation_mean_abs_rel_error": summary})
 
