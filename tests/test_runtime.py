@@ -838,3 +838,24 @@ def test_device_summary_script_reads_the_committed_runs(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "device_summary.py"), str(tmp_path / "empty")],
                          capture_output=True, text=True, check=False)
     assert bad.returncode != 0 and "no device/runs.csv" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_collect_keeps_runs_that_differ_only_in_their_per_layer_budgets(tmp_path: Path) -> None:
+    """The budget experiment's two SpecPrefetch runs share every key column but ``layer_m_max``: both are kept; a
+    true duplicate is still refused with the line that repeats it."""
+    from specprefetch.contracts import RUN_COLUMNS
+    from specprefetch.io import SpecPrefetchError
+    from specprefetch.runtime.bench import write_runs_csv
+    from specprefetch.runtime.external import collect_device_benchmarks
+
+    base = {c: "" for c in RUN_COLUMNS} | {
+        "platform": "local-cpu", "model": "m", "experiment": "budget", "policy": "specprefetch", "storage": "ufs",
+        "m_max": 6, "compute_opt": True, "repeat": 0, "tokens_per_s": 5.0, "ready_recall": 0.5, "n_tokens": 31,
+        "hits": 1, "misses": 1, "prefetched": 1, "wasted": 0, "stall_ms": 1.0, "source": "measured"}
+    rows = [base, {**base, "layer_m_max": "7/7/6/6"}]
+    write_runs_csv(tmp_path / "a.csv", rows)
+    got = collect_device_benchmarks([tmp_path / "a.csv"], [], tmp_path / "runs.csv")
+    assert [r["layer_m_max"] for r in got] == ["", "7/7/6/6"]
+    write_runs_csv(tmp_path / "b.csv", [*rows, rows[1]])
+    with pytest.raises(SpecPrefetchError, match=r"b\.csv:4: the same run .* as .*b\.csv:3"):
+        collect_device_benchmarks([tmp_path / "b.csv"], [], tmp_path / "runs2.csv")

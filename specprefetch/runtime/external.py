@@ -224,10 +224,11 @@ def collect_device_benchmarks(runs: Sequence[str | Path], external: Sequence[str
     for p in [*runs, *external]:
         got = read_external_log(p) if p in external else read_runs_csv(p)
         for i, r in enumerate(got):
-            key = tuple(str(r[k]).lower() for k in RUN_KEY)
+            # the budget experiment's SpecPrefetch runs differ only in their per-layer budgets
+            key = (*(str(r[k]).lower() for k in RUN_KEY), str(r.get("layer_m_max") or ""))
             where = f"{p}:{i + 2}" if p not in external else f"{p} row {i + 1}"
             if key in seen:
-                raise ExternalLogError(f"{where}: the same run ({', '.join(RUN_KEY)}) as {seen[key]}: "
+                raise ExternalLogError(f"{where}: the same run ({', '.join(RUN_KEY)}, layer_m_max) as {seen[key]}: "
                                        "runs.csv rows must be unique (paired gains need one row per run)")
             seen[key] = where
         rows.extend(got)
