@@ -859,3 +859,21 @@ def test_collect_keeps_runs_that_differ_only_in_their_per_layer_budgets(tmp_path
     write_runs_csv(tmp_path / "b.csv", [*rows, rows[1]])
     with pytest.raises(SpecPrefetchError, match=r"b\.csv:4: the same run .* as .*b\.csv:3"):
         collect_device_benchmarks([tmp_path / "b.csv"], [], tmp_path / "runs2.csv")
+
+
+def test_window_excludes_the_layers_own_stall() -> None:
+    """W_l = t_exec(l+1) - t_pred(l) - stall_l: in an offloaded run the time layer l waits for its own demand loads
+    (which hold the device) is no window for layer l+1's prefetches; a multi-token (prefill) step has none."""
+    from specprefetch.runtime.window import per_layer_windows
+
+    def ev(step: int, layer: int, t_exec: float, t_pred: float | None, stall: float, n: int = 1) -> LayerEvent:
+        e = LayerEvent(step=step, layer=layer, n_tokens=n, t_exec=t_exec, required=[0], hits=0, inflight=0,
+                       misses=1, ready_pairs=0)
+        e.t_pred, e.stall_s = t_pred, stall
+        return e
+
+    events = [ev(1, 0, 0.000, 0.001, 0.002), ev(1, 1, 0.010, 0.011, 0.0), ev(1, 2, 0.015, None, 0.0),
+              ev(0, 0, 0.0, 0.001, 0.0, n=5), ev(0, 1, 0.5, 0.6, 0.0, n=5)]
+    w = per_layer_windows(events)
+    assert set(w) == {(1, 0), (1, 1)}
+    assert w[(1, 0)] == pytest.approx(10.0 - 1.0 - 2.0) and w[(1, 1)] == pytest.approx(4.0)
