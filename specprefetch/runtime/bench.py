@@ -100,16 +100,21 @@ def parse_layer_budgets(label: Any, m_max: int) -> tuple[int, ...]:
 def resolve_layer_m_max(settings: dict[str, Any], profile: dict[str, Any],
                         m_max: dict[str, int]) -> dict[str, tuple[int, ...]]:
     """Per-layer budgets per storage (index: the layer prefetched into; layer 0's is the storage's M_max): the window
-    profile's ``m_max_per_layer`` when the budget is profiled, else ``m_max`` everywhere."""
+    profile's ``m_max_per_layer`` when the budget is profiled; none (the one budget) for a configured integer or a
+    storage the profile has no per-layer budgets for."""
+    if settings["m_max"] != "auto":
+        return {}
     per = profile.get("m_max_per_layer") or {}
     n_layers = int(profile.get("n_layers", 0))
     out = {}
     for st, m in m_max.items():
-        layers = per.get(st) if settings["m_max"] == "auto" else None
-        if layers is not None and len(layers) != n_layers - 1:
+        layers = per.get(st)
+        if layers is None:
+            continue
+        if len(layers) != n_layers - 1:
             raise SpecPrefetchError(f"window profile's m_max_per_layer[{st!r}] has {len(layers)} layers, expected "
                                     f"{n_layers - 1}: rerun profile-window")
-        out[st] = (m, *(int(x) for x in layers)) if layers is not None else (m,) * max(1, n_layers)
+        out[st] = (m, *(int(x) for x in layers))
     return out
 
 

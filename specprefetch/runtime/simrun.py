@@ -129,20 +129,25 @@ def check_routing_record(record: Any, path: str | Path, model: str) -> None:
                     raise ContractError(f"{at} timing {i} compute {col!r}: must be finite durations >= 0")
 
 
-def _run_inputs(profile: dict[str, Any], timing: dict[str, Any], storage: str, settings: dict[str, Any],
-                compute_opt: bool) -> tuple[ComputeProfile, StorageProfile, float | None]:
-    """The ``run`` inputs of one measured run: its own compute durations; on the real disk a device serving one
-    expert at a time at the run's per-expert service time (as ``profile`` inputs model it, at the profiled
-    bandwidth); emulated devices keep their model."""
-    dev, fixed, overhead = local_storage(profile, storage, settings)
-    c = timing["compute"]
-    compute = ComputeProfile(list(c["book_s"]), list(c["pred_s"]), list(c["post_pred_s"]), list(c["moe_s"]),
-                             list(c["gap_s"]), float(c["head_s"]), overhead, 0.0)
+def _run_storage(profile: dict[str, Any], timing: dict[str, Any], storage: str,
+                 dev: StorageProfile) -> StorageProfile:
+    """The device of the ``run`` inputs: on the real disk one serving an expert at a time at the run's per-expert
+    service time (as the ``profile`` inputs model it, at the profiled bandwidth); emulated devices keep ``dev``."""
     t = float(timing.get("service_ms", float("nan")))
-    if storage == "nvme_cold" and math.isfinite(t) and t > 0:
-        payload = int(profile["payload_bytes"])
-        dev = StorageProfile(storage, "emulated", payload / (t * 1e-3) / 1e6, 0.0, payload)
-    return compute, dev, fixed
+    if storage != "nvme_cold" or not (math.isfinite(t) and t > 0):
+        return dev
+    payload = int(profile["payload_bytes"])
+    return StorageProfile(storage, "emulated", payload / (t * 1e-3) / 1e6, 0.0, payload)
+
+
+def _simulate_run(run: dict[str, Any], seqs: list[SimSequence], profile: dict[str, Any], compute: ComputeProfile,
+                  storage: StorageProfile, fixed: float | None) -> dict[str, float]:
+    """The simulated metrics of one recorded configuration on the given inputs."""
+    m = run["row"]
+    res = simulate(seqs, m["policy"], int(m["m_max"]), int(m["capacity_experts"]), int(profile["n_experts"]),
+                   int(profile["top_k"]), compute, storage, int(profile["io_workers"]), bool(m["compute_opt"]),
+                   fixed_transfer_s=fixed, layer_m_max=parse_layer_budgets(m.get("layer_m_max"), int(m["m_max"])))
+    return {"tokens_per_s": res.tokens_per_s, **{k: float(getattr(res.stats, k)) for k in METRICS[1:]}}
 
 
 def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
@@ -151,32 +156,25 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
 
     - ``inputs = profile``: this machine's window profile (compute per layer, the cold disk's fitted bandwidth, the
       emulated devices' models, the CPU a transfer takes) -- what a prediction made before the runs would use;
-    - ``inputs = run``: each repeat simulated with that repeat's own compute durations and mean transfer time
-      (``timings``), the simulated metrics then averaged -- the host's drift between profiling and benchmarking and
-      the CPU the transfers took from compute are in the inputs, so what is left is the simulator's model of
-      overlap, queueing and the runtime's decisions.
+    - ``inputs = run``: each repeat simulated with that repeat's own compute durations and, on the cold disk, its
+      per-expert service time (``timings``), the simulated metrics then averaged -- the host's drift between
+      profiling and benchmarking and the CPU the transfers took from compute are in the inputs, so what is left is
+      the simulator's model of overlap, queueing and the runtime's decisions.
     """
-    n_layers, n_experts, top_k = int(profile["n_layers"]), int(profile["n_experts"]), int(profile["top_k"])
+    n_layers = int(profile["n_layers"])
     rows = []
     for _key, run in tqdm(sorted(record["runs"].items()), desc="simulator validation", disable=None):
         m = run["row"]
         seqs = sequences_from_record(run["events"], n_layers)
-        opt = bool(m["compute_opt"])
-
-        def sim(compute: ComputeProfile, storage: StorageProfile, fixed: float | None,
-                seqs: list[SimSequence] = seqs, m: dict[str, Any] = m, opt: bool = opt) -> dict[str, float]:
-            res = simulate(seqs, m["policy"], int(m["m_max"]), int(m["capacity_experts"]), n_experts, top_k,
-                           compute, storage, int(profile["io_workers"]), opt, fixed_transfer_s=fixed,
-                           layer_m_max=parse_layer_budgets(m.get("layer_m_max"), int(m["m_max"])))
-            return {"tokens_per_s": res.tokens_per_s, **{k: float(getattr(res.stats, k)) for k in METRICS[1:]}}
-
         storage, fixed, overhead = local_storage(profile, m["storage"], settings)
         cpu = profile.get("transfer_cpu_ms", {})
         cpu_ms = cpu.get("nvme_cold" if m["storage"] == "nvme_cold" else "ram", 0.0)  # emulated: page-cache reads
-        sims = {"profile": sim(ComputeProfile.from_profile(profile, opt, overhead, cpu_ms * 1e-3), storage, fixed)}
+        compute = ComputeProfile.from_profile(profile, bool(m["compute_opt"]), overhead, cpu_ms * 1e-3)
+        sims = {"profile": _simulate_run(run, seqs, profile, compute, storage, fixed)}
         timings = run.get("timings") or []
-        if timings:
-            per = [sim(*_run_inputs(profile, t, m["storage"], settings, opt)) for t in timings]
+        if timings:  # the run's own compute includes what its transfers took from it: no separate CPU charge
+            per = [_simulate_run(run, seqs, profile, ComputeProfile.of(t["compute"], io_overhead_s=overhead),
+                                 _run_storage(profile, t, m["storage"], storage), fixed) for t in timings]
             sims["run"] = {k: statistics.fmean(p[k] for p in per) for k in METRICS}
         repeats = run.get("repeats") or [m]
         for inputs, got in sims.items():

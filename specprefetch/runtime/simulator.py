@@ -80,7 +80,13 @@ class ComputeProfile:
     def from_profile(cls, prof: dict[str, Any], compute_opt: bool, io_overhead_s: float = 0.0,
                      cpu_per_prefetch_s: float = 0.0) -> ComputeProfile:
         base = prof["compute"]["opt" if compute_opt else "loop"]
-        pred = prof["compute"]["pred"]
+        return cls.of(base, prof["compute"]["pred"], io_overhead_s, cpu_per_prefetch_s)
+
+    @classmethod
+    def of(cls, base: dict[str, Any], pred: dict[str, Any] | None = None, io_overhead_s: float = 0.0,
+           cpu_per_prefetch_s: float = 0.0) -> ComputeProfile:
+        """From a ``window.compute_profile`` dict (``pred``: the one whose prediction durations to take)."""
+        pred = pred or base
         return cls(list(base["book_s"]), list(pred["pred_s"]), list(pred["post_pred_s"]), list(base["moe_s"]),
                    list(base["gap_s"]), float(base["head_s"]), io_overhead_s, cpu_per_prefetch_s)
 
@@ -291,7 +297,7 @@ def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity
         for st in seq.steps:
             step += 1
             for l in range(n_layers):
-                budget = layer_m_max[l + 1] if layer_m_max and l + 1 < len(layer_m_max) else m_max
+                budget = layer_m_max[l + 1] if l + 1 < len(layer_m_max) else m_max
                 t = _layer(l, st, step, t, io, cache, events, issued, policy, predicting, naive, budget,
                            n_experts, n_layers, compute, compute_opt, sync)
                 t += compute.gap_s[l] if l + 1 < n_layers else compute.head_s
