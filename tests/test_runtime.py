@@ -877,3 +877,104 @@ def test_window_excludes_the_layers_own_stall() -> None:
     w = per_layer_windows(events)
     assert set(w) == {(1, 0), (1, 1)}
     assert w[(1, 0)] == pytest.approx(10.0 - 1.0 - 2.0) and w[(1, 1)] == pytest.approx(4.0)
+
+
+# ------------------------------------------------------------------------------------------ lockstep runs
+def test_own_time_removes_the_pauses_before_each_timestamp() -> None:
+    from specprefetch.runtime.decode import Generation
+    from specprefetch.runtime.session import RunResult, own_time
+    from specprefetch.runtime.transfer import Transfer
+
+    ev = LayerEvent(1, 0, 1, 12.0, [0], 1, 0, 0, 1)
+    ev.t_compute, ev.t_ready, ev.t_done, ev.t_pred = 16.0, 16.0, 21.0, None
+    tr = Transfer((0, 1), "prefetch", 1, 0, t_submit=5.0, t_start=23.0, t_end=0.0)
+    res = RunResult("off", "ram", 0, True, 4, summarize([], 1), [Generation("p", [1, 2], [5.0, 23.0])], [ev], [tr])
+    own_time(res, [(10.0, 15.0), (20.0, 22.0)])
+    # before any pause: as is; inside one: its start; after: minus every pause before it; 0 (unset) stays 0
+    assert res.generations[0].times == [5.0, 16.0]
+    assert (ev.t_exec, ev.t_compute, ev.t_done, ev.t_pred) == (10.0, 11.0, 15.0, None)
+    assert (tr.t_submit, tr.t_start, tr.t_end) == (5.0, 16.0, 0.0)
+
+
+def _lockstep_harness(s: dict[str, Any], providers: dict[str, Any] | None = None) -> Any:
+    from specprefetch.runtime.decode import Prompt
+    from specprefetch.runtime.session import Harness
+
+    settings = _device(n_prompts=1, max_new_tokens=NEW, io_workers=2, cache={"capacity_experts": 2 * s["spec"].top_k})
+    adapter = random_adapter(s["spec"])
+    provs = providers or {"specprefetch": lambda: PredictorPriority(adapter)}
+    prompt = Prompt("p0", {"input_ids": s["ids"], "attention_mask": torch.ones_like(s["ids"])})
+    return Harness(s["model"], s["spec"], s["store"], settings, [prompt], provs)
+
+
+def test_lockstep_runs_decode_the_plain_tokens_each_on_its_own_clock(setup: dict[str, Any]) -> None:
+    """Runs decoded token by token in turn: each reproduces the plain model's tokens, OFF's counters are those of
+    a run alone (its cache sees the same routing), and each run's timestamps are its own time (monotone, and
+    together no longer than the lockstep took)."""
+    import threading
+    import time
+
+    h = _lockstep_harness(setup)
+    try:
+        plain = [g.new_ids for g in h.plain_generations()]
+        alone = h.run("off", "nvme")
+        runs = [{"policy": p, "storage": st, "m_max": 2, "record": True}
+                for p, st in (("off", "nvme"), ("specprefetch", "nvme"), ("resident", "ram"), ("off", "ram"))]
+        n_threads = threading.active_count()
+        t0 = time.perf_counter()
+        got = h.run_lockstep(runs, seed="t")
+        wall = time.perf_counter() - t0
+        assert threading.active_count() == n_threads  # every lane and I/O thread has ended
+    finally:
+        h.close()
+    assert [r.policy for r in got] == ["off", "specprefetch", "resident", "off"]
+    assert all(r.tokens() == plain for r in got)
+    assert (got[0].stats.hits, got[0].stats.misses) == (alone.stats.hits, alone.stats.misses)
+    assert got[2].stats.ready_recall == 1.0 and got[1].stats.prefetched > 0
+    assert sum(r.decode_s for r in got) <= wall
+    for r in got:
+        t = [ev.t_exec for ev in r.events]
+        assert t == sorted(t) and all(ev.t_done >= ev.t_exec for ev in r.events)
+        times = r.generations[0].times
+        assert times == sorted(times) and r.decode_s > 0
+
+
+def test_lockstep_run_failure_is_raised_and_stops_the_others(setup: dict[str, Any]) -> None:
+    import threading
+
+    class Failing(PredictorPriority):
+        calls = 0
+
+        def scores(self, layer: int, hidden: torch.Tensor) -> torch.Tensor | None:
+            Failing.calls += 1
+            if Failing.calls > 5:
+                raise RuntimeError("predictor failed")
+            return super().scores(layer, hidden)
+
+    adapter = random_adapter(setup["spec"])
+    h = _lockstep_harness(setup, {"specprefetch": lambda: Failing(adapter)})
+    n_threads = threading.active_count()
+    try:
+        with pytest.raises(RuntimeError, match="predictor failed"):
+            h.run_lockstep([{"policy": "off", "storage": "ram"}, {"policy": "specprefetch", "storage": "ram",
+                                                                  "m_max": 2}], seed="t")
+        assert threading.active_count() == n_threads
+        # the model is usable again: its experts are unbound, a plain run decodes
+        assert h.run("off", "ram").tokens() == [g.new_ids for g in h.plain_generations()]
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("lockstep", [True, False])
+def test_measure_block_runs_every_configuration_by_position(setup: dict[str, Any], lockstep: bool) -> None:
+    from specprefetch.runtime.bench import RunConfig, measure_block
+
+    h = _lockstep_harness(setup)
+    try:
+        configs = {0: RunConfig("main", "specprefetch", "nvme", 2), 2: RunConfig("main", "off", "nvme", 2)}
+        got = measure_block(h, configs, lockstep, "t")
+        plain = [g.new_ids for g in h.plain_generations()]
+    finally:
+        h.close()
+    assert sorted(got) == [0, 2] and got[0].policy == "specprefetch" and got[2].policy == "off"
+    assert got[2].m_max == 0 and all(r.tokens() == plain for r in got.values())

@@ -13,12 +13,14 @@ Experiments (the ``experiment`` column of ``runs.csv``), all on the same prompts
   ``M_max,l = ⌊W_l / t_transfer⌋`` (the window profile's ``m_max_per_layer``), on every storage (column
   ``layer_m_max``; where every layer's budget equals ``M_max`` the two are one configuration, measured once).
 
-Within an experiment, repeat ``r`` of every configuration runs back to back before repeat ``r+1`` starts, so
-gains are paired: ``tokens_per_s / tokens_per_s(off, same experiment, storage, compute_opt, repeat) - 1``.
+Within an experiment, repeat ``r`` of every configuration is one block, measured before repeat ``r+1`` starts: in
+lockstep, token by token in a fresh random order every token (``device.interleave: token``, the default; see
+:meth:`~specprefetch.runtime.session.Harness.run_lockstep`), or one run after another in a random order (``run``).
+Gains are paired: ``tokens_per_s / tokens_per_s(off, same experiment, storage, compute_opt, repeat) - 1``.
 A pairing group (an experiment's configurations on one storage, OFF included; Figure 6 pairs across compute_opt)
 that an earlier experiment measured in full is not run again: its rows are that experiment's runs of the same
 repeat, relabelled (column ``measured_in`` names the experiment that ran them), so pairs still come from one block
-of back-to-back runs. E.g. ``matched`` on the reference storage is ``main``'s OFF, Naive, SpecPrefetch and FATE.
+E.g. ``matched`` on the reference storage is ``main``'s OFF, Naive, SpecPrefetch and FATE.
 Every run must decode exactly the tokens of the plain model's greedy ``generate()`` (every expert resident, no
 runtime: :meth:`Harness.plain_generations`); the router decides, so a policy cannot change them; a run that does
 is an error. Each run's tokens (``tokens_sha256``; the tokens themselves in the routing record), routing and
@@ -297,13 +299,24 @@ def block_order(configs: list[RunConfig], seed: int, experiment: str, repeat: in
     return order
 
 
+def measure_block(harness: Harness, configs: dict[int, RunConfig], lockstep: bool, seed: str) -> dict[int, RunResult]:
+    """The runs of one (experiment, repeat) block, by position: one after another in the block's order, or, with
+    ``lockstep``, all at once, token by token in a random order every token (:meth:`Harness.run_lockstep`)."""
+    kwargs = {pos: {"policy": c.policy, "storage": c.storage, "m_max": c.m_max, "compute_opt": c.compute_opt,
+                    "record": True, "layer_m_max": c.layers} for pos, c in configs.items()}
+    if lockstep and kwargs:
+        return dict(zip(kwargs, harness.run_lockstep(list(kwargs.values()), seed=seed)))
+    return {pos: harness.run(**kw) for pos, kw in kwargs.items()}
+
+
 def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platform: str, out_csv: str | Path,
                   experiments: Iterable[str] | None = None, routing_out: str | Path | None = None,
                   config_fragment: Any = None, seed: int = 0) -> list[dict[str, Any]]:
     """Run every experiment and write ``out_csv`` (one row per run); returns the rows.
 
-    Within each (experiment, repeat) block the configurations run in a seeded random order (``block_order``), so
-    no policy is always first (or always right after the warm-up); column ``run_order`` is a run's position.
+    Each (experiment, repeat) block's configurations, in a seeded random order (``block_order``; column
+    ``run_order`` is a run's position), are measured by :func:`measure_block`: in lockstep, or one after another in
+    that order, so no policy is always first (or always right after the warm-up).
     """
     settings = harness.settings
     m_max = resolve_m_max(settings, profile)
@@ -327,15 +340,18 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     events_of: dict[tuple[str, int, Signature], list[Any]] = {}
     timings_of: dict[tuple[str, int, Signature], dict[str, Any]] = {}
     done = 0
+    lockstep = settings.get("interleave", "token") == "token"
     for exp, configs in plan.items():
         for r in range(repeats):
-            for pos, cfg in enumerate(block_order(configs, seed, exp, r)):
+            block = block_order(configs, seed, exp, r)
+            results = measure_block(harness, {pos: cfg for pos, cfg in enumerate(block)
+                                              if (exp, cfg.storage) not in reuse}, lockstep, f"{seed}/{exp}/{r}")
+            for pos, cfg in enumerate(block):
                 src = reuse.get((exp, cfg.storage))
                 if src is not None:
                     rows.append({**measured[(src, r, cfg.signature)], "experiment": exp})
                     continue
-                res = harness.run(cfg.policy, cfg.storage, cfg.m_max, cfg.compute_opt, record=True,
-                                  layer_m_max=cfg.layers)
+                res = results[pos]
                 done += 1
                 match = res.tokens() == plain
                 if not match:

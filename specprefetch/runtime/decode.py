@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,16 +58,20 @@ class Generation:
 
 
 class _TokenClock:
-    """A stopping criterion that never stops: it timestamps each generated token."""
+    """A stopping criterion that never stops: it timestamps each generated token, then calls ``between_tokens``
+    (the lockstep harness hands the model to another run there)."""
 
-    def __init__(self, sync: bool) -> None:
+    def __init__(self, sync: bool, between_tokens: Callable[[], None] | None = None) -> None:
         self.times: list[float] = []
         self.sync = sync
+        self.between_tokens = between_tokens
 
     def __call__(self, input_ids: Tensor, scores: Any = None, **kwargs: Any) -> Tensor:
         if self.sync:
             torch.cuda.synchronize()
         self.times.append(time.perf_counter())
+        if self.between_tokens is not None:
+            self.between_tokens()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -83,12 +88,13 @@ def _pad_id(model: Any, tokenizer: Any = None) -> int | None:
 
 @torch.no_grad()
 def greedy_generate(model: Any, prompt: Prompt, max_new_tokens: int, fixed_length: bool = True,
-                    tokenizer: Any = None) -> Generation:
-    """Greedy decoding of ``prompt``; ``fixed_length`` forbids EOS so every run decodes the same count."""
+                    tokenizer: Any = None, between_tokens: Callable[[], None] | None = None) -> Generation:
+    """Greedy decoding of ``prompt``; ``fixed_length`` forbids EOS so every run decodes the same count;
+    ``between_tokens`` is called after each new token is timestamped."""
     from transformers import StoppingCriteriaList
 
     device = prompt.kwargs["input_ids"].device
-    clock = _TokenClock(device.type == "cuda")
+    clock = _TokenClock(device.type == "cuda", between_tokens)
     kwargs = dict(prompt.kwargs)
     n_in = int(kwargs["input_ids"].shape[1])
     out = model.generate(

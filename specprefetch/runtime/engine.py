@@ -179,6 +179,11 @@ class OffloadedRuntime:
         self.installed = True
         return self
 
+    def activate(self) -> None:
+        """Bind the installed experts modules to this runtime again (another runtime may have used the model)."""
+        for b in self.blocks:
+            b.experts.bind(self)
+
     def uninstall(self) -> None:
         """Unbind; experts modules this runtime replaced get their originals back (the plain model again)."""
         for b, orig in zip(self.blocks, self.originals):

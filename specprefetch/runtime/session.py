@@ -7,8 +7,12 @@ throughput, the runtime counters, the generated tokens and (optionally) the time
 
 from __future__ import annotations
 
+import bisect
 import gc
+import itertools
 import logging
+import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,20 +127,26 @@ class Harness:
             r.close()
         self._readers.clear()
 
-    def run(self, policy: str, storage: str, m_max: int = 0, compute_opt: bool = True, record: bool = False,
-            preload: bool = False, capacity: int | None = None, topm_absent: tuple[int, ...] = (),
-            max_new_tokens: int | None = None, prompts: list[Prompt] | None = None,
-            on_runtime: Callable[[OffloadedRuntime], Any] | None = None,
-            layer_m_max: tuple[int, ...] = ()) -> RunResult:
-        """One measured run of ``policy`` (see the module docstring); ``layer_m_max``: per-layer budgets."""
+    def runtime(self, policy: str, storage: str, m_max: int = 0, compute_opt: bool = True, record: bool = False,
+                preload: bool = False, capacity: int | None = None, topm_absent: tuple[int, ...] = (),
+                layer_m_max: tuple[int, ...] = ()) -> OffloadedRuntime:
+        """A fresh runtime for one run of ``policy`` on ``storage`` (not installed)."""
         budgeted = POLICY[policy].budgeted
         opts = RuntimeOptions(policy=policy, m_max=m_max if budgeted else 0,
                               layer_m_max=tuple(layer_m_max) if budgeted else (),
                               capacity=capacity or self.capacity, compute_opt=compute_opt,
                               io_workers=int(self.settings["io_workers"]), io_retries=int(self.settings["io_retries"]),
                               record_routing=record, preload=preload, topm_absent=topm_absent)
-        rt = OffloadedRuntime(self.model, self.store, self.reader(storage), opts, self.provider(policy),
-                              spec=self.spec, device=self.device)
+        return OffloadedRuntime(self.model, self.store, self.reader(storage), opts, self.provider(policy),
+                                spec=self.spec, device=self.device)
+
+    def run(self, policy: str, storage: str, m_max: int = 0, compute_opt: bool = True, record: bool = False,
+            preload: bool = False, capacity: int | None = None, topm_absent: tuple[int, ...] = (),
+            max_new_tokens: int | None = None, prompts: list[Prompt] | None = None,
+            on_runtime: Callable[[OffloadedRuntime], Any] | None = None,
+            layer_m_max: tuple[int, ...] = ()) -> RunResult:
+        """One measured run of ``policy`` (see the module docstring); ``layer_m_max``: per-layer budgets."""
+        rt = self.runtime(policy, storage, m_max, compute_opt, record, preload, capacity, topm_absent, layer_m_max)
         gens: list[Generation] = []
         n_new = int(max_new_tokens or self.settings["max_new_tokens"])
         gc.collect()
@@ -155,9 +165,148 @@ class Harness:
             gc.enable()
             rt.uninstall()
             rt.close()
-        res = RunResult(policy, storage, opts.m_max, compute_opt, rt.capacity, rt.stats(), gens, rt.events,
-                        list(rt.engine.log), wall)
-        log.info("%-12s %-9s M=%-2d opt=%d: %.2f tok/s, ReadyRecall %.3f, hits %d, misses %d, prefetched %d, "
-                 "stall %.1f ms", policy, storage, opts.m_max, compute_opt, res.tokens_per_s,
-                 res.stats.ready_recall, res.stats.hits, res.stats.misses, res.stats.prefetched, res.stats.stall_ms)
+        return _result(rt, storage, gens, wall)
+
+    def run_lockstep(self, runs: list[dict[str, Any]], seed: str, max_new_tokens: int | None = None,
+                     prompts: list[Prompt] | None = None) -> list[RunResult]:
+        """Several runs decoded in lockstep, one token at a time: in every round each run decodes its next token, the
+        runs in a fresh random order (seeded by ``seed``). ``runs``: keyword arguments of :meth:`runtime`.
+
+        A paired comparison of two runs then sees the host over the same second, not over two separate runs tens of
+        seconds apart (a shared disk's latency drifts on that scale). Only one run computes at a time: each has its
+        own thread, runtime, cache and KV cache, and hands the model to the next run after its token, once its own
+        transfers are finished (the wait counts in its time, so leftovers are never hidden by the hand-over). Each
+        run's clock stops while the others decode: its timestamps (tokens, layer events, transfers) are mapped onto
+        its own time, as if it had run alone (:func:`own_time`)."""
+        n_new = int(max_new_tokens or self.settings["max_new_tokens"])
+        rts = [self.runtime(**kw) for kw in runs]
+        lanes = [_Lane(i, rt) for i, rt in enumerate(rts)]
+        back = threading.Event()
+        rng = random.Random(f"specprefetch/lockstep/{seed}")
+
+        def decode(lane: _Lane) -> None:
+            try:
+                lane.wait_turn()
+                t0 = time.perf_counter()
+                for p in prompts or self.prompts:
+                    lane.rt.new_sequence()
+                    lane.gens.append(greedy_generate(self.model, p, n_new, fixed_length=True,
+                                                     tokenizer=self.tokenizer, between_tokens=lane.hand_over))
+                lane.wall = time.perf_counter() - t0
+            except BaseException as exc:  # handed to the scheduler, which re-raises it
+                lane.error = exc
+            finally:
+                lane.finished = True
+                back.set()
+
+        gc.collect()
+        gc.disable()
+        threads = []
+        try:
+            for lane in lanes:
+                lane.back = back
+                lane.rt.install()
+                lane.rt.reset_run()
+            threads = [threading.Thread(target=decode, args=(lane,), name=f"lockstep-{lane.index}", daemon=True)
+                       for lane in lanes]
+            for t in threads:
+                t.start()
+            active = list(lanes)
+            while active:
+                for lane in rng.sample(active, len(active)):
+                    back.clear()
+                    lane.rt.activate()
+                    lane.turn.set()
+                    back.wait()
+                    if lane.error is not None:
+                        raise lane.error
+                active = [lane for lane in active if not lane.finished]
+        finally:
+            for lane in lanes:  # wake any run still waiting for a turn: it stops
+                lane.stop = True
+                lane.turn.set()
+            for t in threads:
+                t.join(timeout=60)
+            gc.enable()
+            for lane in lanes:
+                lane.rt.uninstall()
+                lane.rt.close()
+        out = []
+        for lane, kw in zip(lanes, runs):
+            res = _result(lane.rt, kw["storage"], lane.gens, lane.wall - sum(b - a for a, b in lane.pauses))
+            out.append(own_time(res, lane.pauses))
+        return out
+
+
+class _Stopped(Exception):
+    """A lockstep run told to stop (another run failed)."""
+
+
+@dataclass
+class _Lane:
+    """One run of :meth:`Harness.run_lockstep`: its runtime, its tokens and the intervals it was paused."""
+
+    index: int
+    rt: OffloadedRuntime
+    gens: list[Generation] = field(default_factory=list)
+    pauses: list[tuple[float, float]] = field(default_factory=list)
+    turn: threading.Event = field(default_factory=threading.Event)
+    back: threading.Event | None = None
+    finished: bool = False
+    stop: bool = False
+    error: BaseException | None = None
+    wall: float = 0.0
+
+    def wait_turn(self) -> None:
+        self.turn.wait()
+        self.turn.clear()
+        if self.stop:
+            raise _Stopped
+
+    def hand_over(self) -> None:
+        """After a token: finish this run's transfers, let the scheduler give the model to the next run, resume."""
+        self.rt.engine.drain()
+        t0 = time.perf_counter()
+        assert self.back is not None
+        self.back.set()
+        self.wait_turn()
+        self.pauses.append((t0, time.perf_counter()))
+
+
+def own_time(res: RunResult, pauses: list[tuple[float, float]]) -> RunResult:
+    """``res`` with every timestamp on the run's own clock: the time of the ``pauses`` (sorted, disjoint intervals
+    during which other runs decoded) before it removed; a time inside a pause is its start."""
+    if not pauses:
         return res
+    starts = [a for a, _ in pauses]
+    cum = list(itertools.accumulate(b - a for a, b in pauses))
+
+    def f(t: float) -> float:
+        if not t:
+            return t  # unset
+        i = bisect.bisect_right(starts, t) - 1
+        if i < 0:
+            return t
+        a, b = pauses[i]
+        before = cum[i - 1] if i else 0.0
+        return a - before if t < b else t - cum[i]
+
+    for g in res.generations:
+        g.times = [f(t) for t in g.times]
+    for ev in res.events:
+        ev.t_exec, ev.t_compute, ev.t_ready, ev.t_done = f(ev.t_exec), f(ev.t_compute), f(ev.t_ready), f(ev.t_done)
+        if ev.t_pred is not None:
+            ev.t_pred = f(ev.t_pred)
+    for tr in res.transfers:
+        tr.t_submit, tr.t_start, tr.t_end = f(tr.t_submit), f(tr.t_start), f(tr.t_end)
+    return res
+
+
+def _result(rt: OffloadedRuntime, storage: str, gens: list[Generation], wall: float) -> RunResult:
+    o = rt.opt
+    res = RunResult(o.policy, storage, o.m_max, o.compute_opt, rt.capacity, rt.stats(), gens, rt.events,
+                    list(rt.engine.log), wall)
+    log.info("%-12s %-9s M=%-2d opt=%d: %.2f tok/s, ReadyRecall %.3f, hits %d, misses %d, prefetched %d, "
+             "stall %.1f ms", o.policy, storage, o.m_max, o.compute_opt, res.tokens_per_s,
+             res.stats.ready_recall, res.stats.hits, res.stats.misses, res.stats.prefetched, res.stats.stall_ms)
+    return res
