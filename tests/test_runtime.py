@@ -810,7 +810,8 @@ def test_control_path_benchmark_script_runs() -> None:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     res = mod.control_path_us(32, 16, 4, 4, reps=5)
-    assert set(res) == {"matmul", "scores", "select", "control"} and all(v[0] > 0 for v in res.values())
+    assert set(res) == {"matmul", "scores", "select", "control", "beyond matmul"}
+    assert all(v[0] > 0 for k, v in res.items() if k != "beyond matmul")
 
 
 def test_device_summary_script_reads_the_committed_runs(tmp_path: Path) -> None:

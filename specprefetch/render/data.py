@@ -255,10 +255,10 @@ def paired_gains(runs: pd.DataFrame, path: Path | str, baseline: Mapping[str, An
     """Per-row gain vs OFF of the same repeat: tokens_per_s / tokens_per_s(OFF, same repeat) - 1, in percent.
 
     Repeats are paired and interleaved by the runtime (repeat r of every policy was measured in one block, in
-    lockstep by default), so the gain is computed per repeat and then averaged; comparing means of independent runs would mix in slow drifts (thermal
-    state, page cache) the pairing removes. ``baseline`` selects the reference rows (default policy == 'off');
-    with ``match_compute_opt`` the reference must also have the same compute_opt. A row without its reference, or
-    with two, is an error naming the repeat.
+    lockstep by default), so the gain is computed per repeat and then averaged; comparing means of independent
+    runs would mix in slow drifts (thermal state, page cache, a shared disk) the pairing removes. ``baseline``
+    selects the reference rows (default policy == 'off'); with ``match_compute_opt`` the reference must also have
+    the same compute_opt. A row without its reference, or with two, is an error naming the repeat.
     """
     baseline = dict(baseline or {"policy": "off"})
     keys = list(PAIR_KEYS) + (["compute_opt"] if match_compute_opt else [])

@@ -320,7 +320,7 @@ class OffloadedRuntime:
         if s is None:
             return
         if self.opt.record_routing:
-            ev.scores = s.clone()
+            ev.scores = torch.as_tensor(s).clone()
         issue_prefetches(self.cache, self.engine, self._issued, ev, self.step, l, s, self.opt.budget_of(l + 1),
                          self.provider.empty_when_zero, self.policy.issues, protect, ev.t_pred, self.opt.topm_absent)
 

@@ -37,8 +37,9 @@ class PriorityProvider:
     def reset(self) -> None:
         """Forget per-sequence state (a new prompt starts)."""
 
-    def scores(self, layer: int, x: Tensor) -> Tensor | None:
-        """Priorities ``[n]`` (float32, CPU) for layer ``layer + 1`` from router input ``x`` of ``layer``."""
+    def scores(self, layer: int, x: Tensor) -> Tensor | np.ndarray | None:
+        """Priorities ``[n]`` (float32, CPU) for layer ``layer + 1`` from router input ``x`` of ``layer``: a tensor,
+        or a numpy array on a one-token CPU hot path (:func:`select_prefetch` takes either)."""
         return None
 
     def observe(self, layer: int, top_k_index: Tensor, top_k_weights: Tensor) -> None:
@@ -88,6 +89,7 @@ class PredictorPriority(PriorityProvider):
             else:
                 raise PriorityError(f"predictor method {self.name!r} cannot be evaluated layer by layer at run "
                                     "time (it needs a layer_token_scores(l, x) method)")
+        self._np_fast = self._np_chain is not None and not self.sigmoid
 
     def _specprefetch(self, layer: int, x: Tensor) -> Tensor:
         return F.linear(F.linear(x.float(), self._a[layer]), self._b[layer])
@@ -95,12 +97,11 @@ class PredictorPriority(PriorityProvider):
     def _fate(self, layer: int, x: Tensor) -> Tensor:
         return F.linear(x.float(), self._w[layer], self._bias[layer])
 
-    def scores(self, layer: int, x: Tensor) -> Tensor | None:
+    def scores(self, layer: int, x: Tensor) -> Tensor | np.ndarray | None:
         if layer >= self.n_pairs:
             return None
-        if (self._np_chain is not None and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32
-                and x.device.type == "cpu" and not self.sigmoid):
-            return torch.from_numpy(self._one_token_logits(layer, x))
+        if self._np_fast and x.ndim == 2 and x.shape[0] == 1 and x.dtype is torch.float32 and x.is_cpu:
+            return self._one_token_logits(layer, x)  # numpy: no tensor round trip on the hot path
         return self._torch_scores(layer, x.reshape(-1, x.shape[-1]))
 
     @torch.no_grad()
@@ -169,11 +170,13 @@ def select_prefetch(scores: Tensor | None, exclude: Collection[int], m_max: int,
     """
     if m_max <= 0 or scores is None:
         return []
-    try:
-        vals = scores.numpy()  # a CPU tensor: a view, no copy (the hot path)
-    except (AttributeError, RuntimeError, TypeError):  # an array, a CUDA tensor, one that requires grad
-        vals = scores.detach().cpu().numpy() if isinstance(scores, Tensor) else np.asarray(scores)
-    order = np.argsort(-vals, kind="stable")
+    if isinstance(scores, np.ndarray):  # the one-token CPU hot path (PredictorPriority.scores)
+        vals = scores
+    elif isinstance(scores, Tensor):
+        vals = scores.detach().cpu().numpy()
+    else:
+        vals = np.asarray(scores)
+    order = (-vals).argsort(kind="stable")  # the method, not np.argsort: ~1 µs less dispatch
     out: list[int] = []
     for e in order.tolist():
         if empty_when_zero and vals[e] <= 0.0:
