@@ -340,7 +340,7 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     events_of: dict[tuple[str, int, Signature], list[Any]] = {}
     timings_of: dict[tuple[str, int, Signature], dict[str, Any]] = {}
     done = 0
-    lockstep = settings.get("interleave", "token") == "token"
+    lockstep = settings["interleave"] == "token"
     for exp, configs in plan.items():
         for r in range(repeats):
             block = block_order(configs, seed, exp, r)

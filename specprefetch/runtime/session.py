@@ -179,9 +179,8 @@ class Harness:
         run's clock stops while the others decode: its timestamps (tokens, layer events, transfers) are mapped onto
         its own time, as if it had run alone (:func:`own_time`)."""
         n_new = int(max_new_tokens or self.settings["max_new_tokens"])
-        rts = [self.runtime(**kw) for kw in runs]
-        lanes = [_Lane(i, rt) for i, rt in enumerate(rts)]
         back = threading.Event()
+        lanes = [_Lane(i, self.runtime(**kw), back) for i, kw in enumerate(runs)]
         rng = random.Random(f"specprefetch/lockstep/{seed}")
 
         def decode(lane: _Lane) -> None:
@@ -204,7 +203,6 @@ class Harness:
         threads = []
         try:
             for lane in lanes:
-                lane.back = back
                 lane.rt.install()
                 lane.rt.reset_run()
             threads = [threading.Thread(target=decode, args=(lane,), name=f"lockstep-{lane.index}", daemon=True)
@@ -248,10 +246,10 @@ class _Lane:
 
     index: int
     rt: OffloadedRuntime
+    back: threading.Event  # set when this run yields the model (or ends): the scheduler's cue
     gens: list[Generation] = field(default_factory=list)
     pauses: list[tuple[float, float]] = field(default_factory=list)
     turn: threading.Event = field(default_factory=threading.Event)
-    back: threading.Event | None = None
     finished: bool = False
     stop: bool = False
     error: BaseException | None = None
@@ -267,7 +265,6 @@ class _Lane:
         """After a token: finish this run's transfers, let the scheduler give the model to the next run, resume."""
         self.rt.engine.drain()
         t0 = time.perf_counter()
-        assert self.back is not None
         self.back.set()
         self.wait_turn()
         self.pauses.append((t0, time.perf_counter()))
