@@ -525,14 +525,18 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         assert float(r["bound_tokens_per_s"]) > 0 and len(r["tokens_sha256"]) == 64
         assert float(r["bound_own_tokens_per_s"]) > 0
         assert int(r["peak_cache_experts"]) <= int(r["capacity_experts"])
-    # the matched experiment on the reference storage is main's runs (measured once, same repeat); the component
-    # analysis pairs across compute_opt, so it runs whole in its own block
+    # one block per storage: a configuration two experiments run on one storage is one run (the same repeat, so
+    # every pair, Figure 6's across compute_opt too, comes from one block); measured_in names the first experiment
     by = {(r["experiment"], r["policy"], r["storage"], r["compute_opt"]): r for r in got}
     for pol in ("off", "naive", "specprefetch", "fate"):
         reused, orig = by[("matched", pol, "nvme_cold", "true")], by[("main", pol, "nvme_cold", "true")]
         assert reused["measured_in"] == "main" and reused["tokens_per_s"] == orig["tokens_per_s"]
         assert by[("matched", pol, "slow_ufs", "true")]["measured_in"] == "matched"
-    assert {r["measured_in"] for r in got if r["experiment"] == "component"} == {"component"}
+    assert {(r["compute_opt"], r["measured_in"]) for r in got if r["experiment"] == "component"} == {
+        ("true", "main"), ("false", "component")}
+    assert by[("component", "off", "nvme_cold", "true")]["tokens_per_s"] == by[("main", "off", "nvme_cold",
+                                                                                "true")]["tokens_per_s"]
+    assert len({(r["storage"], r["run_order"]) for r in got}) == 6 + 2 + 4  # runs: main + component's + slow_ufs
     from specprefetch.contracts import ROUTING_FORMAT, load_tensor_tree
     from specprefetch.runtime.simrun import check_routing_record
 
@@ -555,35 +559,37 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     assert off["misses"]["rel_error"] == 0 and off["hits"]["rel_error"] == 0
 
 
-def test_groups_measured_by_an_earlier_experiment_are_reused() -> None:
-    """A pairing group (experiment, storage) runs once: later experiments take it whole, or run it."""
+def test_one_block_per_storage_measures_each_configuration_once() -> None:
+    """Every distinct configuration an experiment runs on a storage is measured once, in that storage's block, as
+    the first experiment that lists it; per-layer budgets that differ from M_max add one configuration."""
     from specprefetch.config import REPO_ROOT, load_config
-    from specprefetch.runtime.bench import plan_experiments, reused_groups
+    from specprefetch.runtime.bench import plan_experiments, storage_blocks
     from specprefetch.runtime.settings import device_settings
 
     s = device_settings(load_config(REPO_ROOT / "config" / "config.yaml"))
     plan = plan_experiments(s, 5, s["experiments"])
-    assert reused_groups(plan) == {
-        ("matched", "nvme_cold"): "main",       # OFF, Naive, SpecPrefetch, FATE at M_max: all in main
-        ("storage", "nvme_cold"): "main",
-        ("storage", "slow_ufs"): "matched",
-        # without per-layer budgets (or with every layer's equal to M_max) the budget experiment is one budget
-        **{("budget", st): src for st, src in (("nvme_cold", "main"), ("slow_ufs", "matched"), ("nvme", "storage"),
-                                                ("ufs", "storage"))},
-    }  # the sweep (every M) and the component analysis (compute_opt off too) are not all in main: they run whole
+    blocks = storage_blocks(plan)
+    assert list(blocks) == ["nvme_cold", "slow_ufs", "nvme", "ufs"]
+    got = {st: sorted((c.experiment, c.policy, c.budget, c.compute_opt) for c in v) for st, v in blocks.items()}
+    main = [("main", p, 0 if p in ("off", "resident") else 5, True) for p in s["main_policies"]]
+    sweep = [("sweep", "specprefetch", m, True) for m in s["sweep_m_max"] if m != 5]
+    component = [("component", "off", 0, False), ("component", "specprefetch", 5, False)]
+    assert got["nvme_cold"] == sorted(main + sweep + component)
+    assert got["slow_ufs"] == sorted(("matched", p, 0 if p == "off" else 5, True) for p in s["matched_policies"])
+    assert got["nvme"] == got["ufs"] == [("storage", "off", 0, True), ("storage", "specprefetch", 5, True)]
+    for st, configs in blocks.items():  # every experiment's configuration on st is in its block, once
+        sigs = [c.signature for c in configs]
+        assert len(sigs) == len(set(sigs))
+        assert {c.signature for v in plan.values() for c in v if c.storage == st} == set(sigs)
     assert len(plan["budget"]) == 2 * len(set(s["storages"]) | {"nvme_cold", "slow_ufs"})
-    # per-layer budgets that differ from M_max on one storage: that storage's budget group (OFF, M_max, M_max,l) runs
+    # per-layer budgets that differ from M_max on one storage: one more configuration there, in the budget plan
     n = 5
     layers = {st: (5,) * n for st in ("nvme_cold", "slow_ufs", "nvme")} | {"ufs": (5, 6, 6, 4, 5)}
     plan = plan_experiments(s, 5, s["experiments"], layers)
-    reuse = reused_groups(plan)
-    assert ("budget", "ufs") not in reuse and reuse[("budget", "nvme")] == "storage"
-    ufs = [c for c in plan["budget"] if c.storage == "ufs"]
-    assert [(c.policy, c.layers) for c in ufs] == [("off", ()), ("specprefetch", ()),
-                                                   ("specprefetch", (5, 6, 6, 4, 5))]
-    assert len({c.key for c in ufs}) == 3 and ufs[2].key.endswith("|L6/6/4/5")
-    # a group only partly measured before (main needs more than storage ran) runs in full
-    assert reused_groups(plan_experiments(s, 5, ["storage", "main"])) == {}
+    blocks = storage_blocks(plan)
+    assert [(c.experiment, c.policy, c.layers) for c in blocks["ufs"]] == [
+        ("storage", "off", ()), ("storage", "specprefetch", ()), ("budget", "specprefetch", (5, 6, 6, 4, 5))]
+    assert len(blocks["nvme"]) == 2 and blocks["ufs"][2].key.endswith("|L6/6/4/5")
 
 
 # ------------------------------------------------------------------------------------------ lm-eval
@@ -683,14 +689,14 @@ def test_cold_reads_bypass_the_page_cache_or_fall_back(setup: dict[str, Any], mo
                                                         caplog: pytest.LogCaptureFixture) -> None:
     """nvme_cold reads with O_DIRECT into aligned buffers where the file system allows it, else evicts pages
     around each read with a logged warning; either way the bytes are the record's."""
-    from specprefetch.runtime.storage import aligned_buffer
+    from specprefetch.runtime.storage import host_buffer
 
     store = setup["store"]
     prof = make_profile("nvme_cold", _device(), store.layout.payload_bytes)
     reader = ExpertReader(store, prof, verify=True)
     try:
         assert reader.cold_read_mode in ("direct", "fadvise")
-        reader.read(0, 2, aligned_buffer(store.record_bytes))
+        reader.read(0, 2, host_buffer(store.record_bytes))
         reader.read(0, 3, torch.empty(store.record_bytes + 1, dtype=torch.uint8)[1:])  # unaligned: buffered read
     finally:
         reader.close()
@@ -706,7 +712,45 @@ def test_cold_reads_bypass_the_page_cache_or_fall_back(setup: dict[str, Any], mo
         reader = ExpertReader(store, prof, verify=True)
     try:
         assert reader.cold_read_mode == "fadvise" and "O_DIRECT refused" in caplog.text
-        reader.read(0, 2, aligned_buffer(store.record_bytes))
+        reader.read(0, 2, host_buffer(store.record_bytes))
+    finally:
+        reader.close()
+
+
+def test_direct_reads_land_in_shared_staging_buffers(setup: dict[str, Any]) -> None:
+    """A direct (O_DIRECT) load goes through the reader's staging buffers, then into the slot: the buffers are
+    page-aligned and reused by every load and every engine (a new one only while all are taken), so no run reads into
+    memory of its own; the slot holds the record's bytes, and transfers through an engine too."""
+    from specprefetch.runtime.cache import ExpertCache, SlotPool
+    from specprefetch.runtime.transfer import TransferEngine
+
+    store = setup["store"]
+    reader = ExpertReader(store, make_profile("nvme_cold", _device(), store.layout.payload_bytes), verify=True)
+    reader.cold_read_mode = "direct"  # where the file system refuses O_DIRECT the reads are buffered, same path
+    records = dict(store.read_all(0))
+    try:
+        with reader.staging() as a, reader.staging() as b:
+            assert a is not b and a.data_ptr() % 4096 == 0 and b.data_ptr() % 4096 == 0
+        made = {a.data_ptr(), b.data_ptr()}
+        slot = torch.empty(store.record_bytes + 1, dtype=torch.uint8)[1:]  # any memory, even unaligned
+        for e in (2, 3):
+            reader.load(0, e, slot)
+            assert bytes(slot.numpy()) == records[e]
+        for _ in range(2):  # two runs' engines, one after another
+            cache = ExpertCache(4)
+            pool = SlotPool(4, store.layout, torch.device("cpu"))
+            eng = TransferEngine(reader, cache, pool, n_workers=2, retries=0)
+            try:
+                for e in range(4):
+                    with cache.lock:
+                        cache.reserve((0, e))
+                        eng.submit((0, e), "prefetch", 0)
+                eng.drain()
+                for e in range(4):
+                    assert bytes(pool.record(cache.slot((0, e))).numpy()) == records[e]
+            finally:
+                eng.shutdown()
+        assert {buf.data_ptr() for buf in reader._staging} >= made and len(reader._staging) <= 3
     finally:
         reader.close()
 
@@ -790,14 +834,15 @@ def test_simulator_platforms_are_the_config_vocabulary() -> None:
 
 
 def test_benchmark_blocks_run_in_a_seeded_random_order() -> None:
-    """No configuration is always first in its block: each (experiment, repeat) has its own, reproducible order."""
+    """No configuration is always first in its block: each (storage, repeat) has its own, reproducible order."""
     from specprefetch.runtime.bench import RunConfig, block_order
 
     configs = [RunConfig("main", p, "nvme_cold", 4) for p in ("off", "pred0", "specprefetch", "naive", "fate")]
-    orders = [block_order(configs, 7, "main", r) for r in range(6)]
+    orders = [block_order(configs, 7, "nvme_cold", r) for r in range(6)]
     assert all(sorted(o, key=configs.index) == configs for o in orders)  # a permutation, nothing lost
     assert len({o[0].policy for o in orders}) > 1 and len({tuple(o) for o in orders}) > 1
-    assert block_order(configs, 7, "main", 3) == orders[3] and block_order(configs, 8, "main", 3) != orders[3]
+    assert block_order(configs, 7, "nvme_cold", 3) == orders[3]
+    assert block_order(configs, 8, "nvme_cold", 3) != orders[3]
 
 
 def test_control_path_benchmark_script_runs() -> None:

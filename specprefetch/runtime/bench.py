@@ -13,14 +13,13 @@ Experiments (the ``experiment`` column of ``runs.csv``), all on the same prompts
   ``M_max,l = ⌊W_l / t_transfer⌋`` (the window profile's ``m_max_per_layer``), on every storage (column
   ``layer_m_max``; where every layer's budget equals ``M_max`` the two are one configuration, measured once).
 
-Within an experiment, repeat ``r`` of every configuration is one block, measured before repeat ``r+1`` starts: in
-lockstep, token by token in a fresh random order every token (``device.interleave: token``, the default; see
-:meth:`~specprefetch.runtime.session.Harness.run_lockstep`), or one run after another in a random order (``run``).
-Gains are paired: ``tokens_per_s / tokens_per_s(off, same experiment, storage, compute_opt, repeat) - 1``.
-A pairing group (an experiment's configurations on one storage, OFF included; Figure 6 pairs across compute_opt)
-that an earlier experiment measured in full is not run again: its rows are that experiment's runs of the same
-repeat, relabelled (column ``measured_in`` names the experiment that ran them), so pairs still come from one block
-E.g. ``matched`` on the reference storage is ``main``'s OFF, Naive, SpecPrefetch and FATE.
+One block per storage and repeat measures every distinct configuration that any experiment runs on that storage
+(:func:`storage_blocks`), once, before repeat ``r+1`` starts: in lockstep, token by token in a fresh random order
+every token (``device.interleave: token``, the default; see :meth:`~specprefetch.runtime.session.Harness.run_lockstep`),
+or one run after another in a random order (``run``). Every experiment's rows on that storage are the block's runs
+of the same repeat (column ``measured_in`` names the first experiment that lists the configuration), so OFF is one
+run that every experiment on the storage pairs with, and every pair (Figure 6's across compute_opt too) comes from
+one block. Gains are paired: ``tokens_per_s / tokens_per_s(off, same storage, compute_opt, repeat) - 1``.
 Every run must decode exactly the tokens of the plain model's greedy ``generate()`` (every expert resident, no
 runtime: :meth:`Harness.plain_generations`); the router decides, so a policy cannot change them; a run that does
 is an error. Each run's tokens (``tokens_sha256``; the tokens themselves in the routing record), routing and
@@ -167,23 +166,15 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
     return out
 
 
-def reused_groups(plan: dict[str, list[RunConfig]]) -> dict[tuple[str, str], str]:
-    """``(experiment, storage) -> earlier experiment`` for every pairing group that an earlier experiment measures
-    in full (see the module docstring); groups not listed are run."""
-    out: dict[tuple[str, str], str] = {}
-    measured: dict[str, set[Signature]] = {}
-    for exp, configs in plan.items():
-        groups: dict[str, set[Signature]] = {}
+def storage_blocks(plan: dict[str, list[RunConfig]]) -> dict[str, list[RunConfig]]:
+    """Per storage, the distinct configurations (by :attr:`RunConfig.signature`) that the experiments of ``plan`` run
+    on it, each as the first experiment (in plan order) that lists it: what one block per storage and repeat
+    measures."""
+    out: dict[str, dict[Signature, RunConfig]] = {}
+    for configs in plan.values():
         for c in configs:
-            groups.setdefault(c.storage, set()).add(c.signature)
-        measured[exp] = set()
-        for storage, sigs in groups.items():
-            src = next((e for e, have in measured.items() if e != exp and sigs <= have), None)
-            if src is None:
-                measured[exp] |= sigs
-            else:
-                out[(exp, storage)] = src
-    return out
+            out.setdefault(c.storage, {}).setdefault(c.signature, c)
+    return {st: list(v.values()) for st, v in out.items()}
 
 
 def tokens_sha256(tokens: list[list[int]]) -> str:
@@ -276,26 +267,20 @@ def run_timing(res: RunResult, n_layers: int) -> dict[str, Any]:
     excluded), the mean duration of its transfers during decoding (read start to slot filled) and its per-expert
     service time (the time some transfer was running, divided by their number: what one expert costs the device when
     transfers overlap); NaN with no transfer."""
-    from specprefetch.runtime.window import compute_profile
+    from specprefetch.runtime.window import busy_s, compute_profile, decoding_transfers
 
-    decoding = {ev.step for ev in res.events if ev.n_tokens == 1}
-    spans = sorted((tr.t_start, tr.t_end) for tr in res.transfers
-                   if tr.state == "done" and tr.charged and tr.step in decoding and tr.t_end > tr.t_start > 0)
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:  # the union of the transfers' intervals: the time the device was serving
-        busy += max(0.0, b - max(a, end))
-        end = max(end, b)
-    n = len(spans)
+    transfers = decoding_transfers(res)
+    n = len(transfers)
     return {"compute": compute_profile(res.events, n_layers), "n_transfers": n,
-            "transfer_ms": sum(b - a for a, b in spans) / n * 1e3 if n else float("nan"),
-            "service_ms": busy / n * 1e3 if n else float("nan")}
+            "transfer_ms": sum(tr.t_end - tr.t_start for tr in transfers) / n * 1e3 if n else float("nan"),
+            "service_ms": busy_s(transfers) / n * 1e3 if n else float("nan")}
 
 
-def block_order(configs: list[RunConfig], seed: int, experiment: str, repeat: int) -> list[RunConfig]:
-    """The configurations of one (experiment, repeat) block in a random order, seeded by (seed, experiment,
-    repeat): reproducible, different in every block, and the same in a rerun."""
+def block_order(configs: list[RunConfig], seed: int, block: str, repeat: int) -> list[RunConfig]:
+    """The configurations of one (block, repeat) in a random order, seeded by (seed, block, repeat): reproducible,
+    different in every block, and the same in a rerun."""
     order = list(configs)
-    random.Random(f"specprefetch/bench/{seed}/{experiment}/{repeat}").shuffle(order)
+    random.Random(f"specprefetch/bench/{seed}/{block}/{repeat}").shuffle(order)
     return order
 
 
@@ -312,62 +297,58 @@ def measure_block(harness: Harness, configs: dict[int, RunConfig], lockstep: boo
 def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platform: str, out_csv: str | Path,
                   experiments: Iterable[str] | None = None, routing_out: str | Path | None = None,
                   config_fragment: Any = None, seed: int = 0) -> list[dict[str, Any]]:
-    """Run every experiment and write ``out_csv`` (one row per run); returns the rows.
+    """Run every experiment and write ``out_csv`` (one row per run and experiment); returns the rows.
 
-    Each (experiment, repeat) block's configurations, in a seeded random order (``block_order``; column
-    ``run_order`` is a run's position), are measured by :func:`measure_block`: in lockstep, or one after another in
-    that order, so no policy is always first (or always right after the warm-up).
+    Each (storage, repeat) block's configurations (:func:`storage_blocks`), in a seeded random order
+    (``block_order``; column ``run_order`` is a run's position), are measured by :func:`measure_block`: in lockstep,
+    or one after another in that order, so no policy is always first (or always right after the warm-up).
     """
     settings = harness.settings
     m_max = resolve_m_max(settings, profile)
     plan = plan_experiments(settings, m_max, experiments or settings["experiments"],
                             resolve_layer_m_max(settings, profile, m_max))
-    reuse = reused_groups(plan)
+    blocks = storage_blocks(plan)
     repeats = int(settings["repeats"])
-    n_runs = sum(1 for exp, v in plan.items() for c in v if (exp, c.storage) not in reuse) * repeats
-    log.info("%d runs: %s", n_runs, ", ".join(f"{k} ({len(v)} configs)" for k, v in plan.items()))
-    for (exp, storage), src in reuse.items():
-        log.info("%s on %s: the runs of %s", exp, storage, src)
+    n_runs = sum(len(v) for v in blocks.values()) * repeats
+    log.info("%d runs in %d blocks per repeat (%s) for %s", n_runs, len(blocks),
+             ", ".join(f"{st}: {len(v)}" for st, v in blocks.items()),
+             ", ".join(f"{k} ({len(v)} configs)" for k, v in plan.items()))
     # warm-up: allocator, lazy module init, page-table of the store (not recorded)
     harness.run("resident", "ram", max_new_tokens=4, prompts=harness.prompts[:1])
     harness.run("off", settings["reference_storage"], max_new_tokens=4, prompts=harness.prompts[:1])
     plain = [g.new_ids for g in harness.plain_generations()]
     log.info("plain model: %d prompts x %d new tokens (sha256 %s)", len(plain), len(plain[0]) if plain else 0,
              tokens_sha256(plain)[:12])
-    rows: list[dict[str, Any]] = []
     measured: dict[tuple[str, int, Signature], dict[str, Any]] = {}
     routing: dict[str, Any] = {}
     events_of: dict[tuple[str, int, Signature], list[Any]] = {}
     timings_of: dict[tuple[str, int, Signature], dict[str, Any]] = {}
     done = 0
     lockstep = settings["interleave"] == "token"
-    for exp, configs in plan.items():
+    for storage, configs in blocks.items():
         for r in range(repeats):
-            block = block_order(configs, seed, exp, r)
-            results = measure_block(harness, {pos: cfg for pos, cfg in enumerate(block)
-                                              if (exp, cfg.storage) not in reuse}, lockstep, f"{seed}/{exp}/{r}")
+            block = block_order(configs, seed, storage, r)
+            results = measure_block(harness, dict(enumerate(block)), lockstep, f"{seed}/{storage}/{r}")
             for pos, cfg in enumerate(block):
-                src = reuse.get((exp, cfg.storage))
-                if src is not None:
-                    rows.append({**measured[(src, r, cfg.signature)], "experiment": exp})
-                    continue
                 res = results[pos]
                 done += 1
                 match = res.tokens() == plain
                 if not match:
                     raise SpecPrefetchError(f"{model}: run {cfg.key} repeat {r} decoded other tokens than the plain "
                                             "model's greedy generate(); the offloaded runtime must not change outputs")
-                rows.append({**run_row(res, cfg, r, platform, model, harness.store.layout, match, float("nan")),
-                             "run_order": pos})
-                measured[(exp, r, cfg.signature)] = rows[-1]
-                events_of[(exp, r, cfg.signature)] = res.events
-                timings_of[(exp, r, cfg.signature)] = timing = run_timing(res, harness.store.n_layers)
+                row = {**run_row(res, cfg, r, platform, model, harness.store.layout, match, float("nan")),
+                       "run_order": pos}
+                measured[(storage, r, cfg.signature)] = row
+                events_of[(cfg.experiment, r, cfg.signature)] = res.events
+                timings_of[(cfg.experiment, r, cfg.signature)] = timing = run_timing(res, harness.store.n_layers)
                 if r == 0:  # routing and priorities are the same in every repeat (same tokens): record one
-                    routing[cfg.key] = {"row": rows[-1], "events": recorded_routing(res), "repeats": [],
+                    routing[cfg.key] = {"row": row, "events": recorded_routing(res), "repeats": [],
                                         "timings": [], "tokens": torch.tensor(res.tokens(), dtype=torch.int64)}
-                routing[cfg.key]["repeats"].append(rows[-1])
+                routing[cfg.key]["repeats"].append(row)
                 routing[cfg.key]["timings"].append(timing)
                 log.info("[%d/%d] %s r%d: %.2f tok/s", done, n_runs, cfg.key, r, res.tokens_per_s)
+    rows = [{**measured[(c.storage, r, c.signature)], "experiment": exp}
+            for exp, configs in plan.items() for r in range(repeats) for c in configs]
     set_bounds(rows, events_of, profile, harness.store.n_layers, timings_of)
     write_runs_csv(out_csv, rows)
     if routing_out is not None:

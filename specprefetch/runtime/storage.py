@@ -4,6 +4,11 @@ Profiles (the ``storage`` column of ``runs.csv``):
 
 - ``nvme_cold``: the physical local disk, cold. Reads bypass the page cache (``O_DIRECT`` into page-aligned
   buffers, so every load is a real device read: the phone setting, where RAM is too small to cache the experts).
+  A direct read lands in a *staging buffer* (:meth:`ExpertReader.staging`: long-lived, page-aligned, pinned on
+  CUDA, shared by every run of the reader) and is then copied into its cache slot, as the CUDA path copies it to
+  the GPU. Measured on the reference VM: ``O_DIRECT`` reads into some freshly allocated buffers run ~2x slower
+  than into others, persistently per buffer, while a copy into them does not (``docs/reference.md``); a run's own
+  cache memory would otherwise set its read speed, which pairing across runs cannot remove.
   Where the file system refuses ``O_DIRECT`` (tmpfs, some overlays) the reader falls back, with a logged warning,
   to ``POSIX_FADV_RANDOM`` reads whose pages are evicted (``POSIX_FADV_DONTNEED``) before the run and after each
   read; the mode used is recorded (``cold_read_mode``).
@@ -47,6 +52,8 @@ import os
 import random
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,6 +223,9 @@ class ExpertReader:
         self.profile = profile
         self.faults = faults
         self.verify = verify
+        self.pin_memory = pin_memory
+        self._staging: list[torch.Tensor] = []  # free staging buffers (see staging())
+        self._staging_lock = threading.Lock()
         self.model = BandwidthModel(profile) if profile.emulated else None
         self.fds = [os.open(f, os.O_RDONLY) for f in store.files]
         self.mirror: torch.Tensor | None = None
@@ -229,6 +239,27 @@ class ExpertReader:
             self.mirror = self._load_mirror(pin_memory)
             self.mirror_views = [[memoryview(self.mirror[l, e].numpy()).cast("B") for e in range(store.n_experts)]
                                  for l in range(store.n_layers)]
+
+    @property
+    def direct(self) -> bool:
+        """Reads are ``O_DIRECT`` (DMA into the destination): they should land in a :meth:`staging` buffer."""
+        return self.cold_read_mode == "direct"
+
+    @contextmanager
+    def staging(self) -> Iterator[torch.Tensor]:
+        """A staging buffer of one record for the duration of one transfer: page-aligned (an ``O_DIRECT`` read can
+        land in it), pinned when the reader pins memory (CUDA), and long-lived: the reader keeps a free list that
+        every run using it shares (a buffer is made only when all are in use), so no run reads into memory of its
+        own. A transfer reads into it, then copies it into the cache slot."""
+        with self._staging_lock:
+            buf = self._staging.pop() if self._staging else None
+        if buf is None:
+            buf = host_buffer(self.store.record_bytes, pin=self.pin_memory)
+        try:
+            yield buf
+        finally:
+            with self._staging_lock:
+                self._staging.append(buf)
 
     def _open_direct(self) -> str:
         """'direct' when every store file opens with O_DIRECT and an aligned read succeeds, else 'fadvise'."""
@@ -321,6 +352,18 @@ class ExpertReader:
         """A RAM-mirrored record (profile ``ram``) to copy from directly, else None."""
         return None if self.mirror is None else self.mirror[layer, expert]
 
+    def load(self, layer: int, expert: int, dest: torch.Tensor, view: memoryview | None = None,
+             charged: bool = True, demand: bool = False) -> None:
+        """Bring the record into the host tensor ``dest`` (a cache slot) as a transfer does: a direct read through a
+        :meth:`staging` buffer, then a copy; any other read (RAM mirror, page cache) straight into ``dest``. The
+        arguments are :meth:`read`'s."""
+        if not self.direct:
+            self.read(layer, expert, dest, view, charged, demand)
+            return
+        with self.staging() as buf:
+            self.read(layer, expert, buf, charged=charged, demand=demand)
+            dest.copy_(buf)
+
     def read(self, layer: int, expert: int, dest: torch.Tensor, view: memoryview | None = None,
              charged: bool = True, demand: bool = False) -> None:
         """Fill ``dest`` (uint8 host tensor of record_bytes; ``view``: its bytes, if the caller has them) with
@@ -349,15 +392,20 @@ class ExpertReader:
             self.model.wait(res)
 
 
-def aligned_buffer(nbytes: int) -> torch.Tensor:
-    """A page-aligned uint8 host tensor (an O_DIRECT read can land in it)."""
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+def host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """A page-aligned uint8 host tensor (an O_DIRECT read can land in it), in pinned memory with ``pin`` (CUDA)."""
+    if not pin:
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    base = torch.empty(nbytes + mmap.PAGESIZE, dtype=torch.uint8).pin_memory()
+    off = -base.data_ptr() % mmap.PAGESIZE
+    return base[off: off + nbytes]
 
 
 def measure_transfer_ms(reader: ExpertReader, n: int = 64, seed: int = 0) -> list[float]:
-    """Isolated (one at a time) load times of ``n`` random experts under the reader's profile, in ms."""
+    """Isolated (one at a time) load times of ``n`` random experts under the reader's profile, in ms: as a transfer
+    makes them (a direct read lands in a staging buffer and is copied on into a slot)."""
     rng = random.Random(seed)
-    buf = aligned_buffer(reader.store.record_bytes)
+    slot = host_buffer(reader.store.record_bytes)
     reader.prepare_run()
     out = []
     for _ in range(n):
@@ -368,6 +416,6 @@ def measure_transfer_ms(reader: ExpertReader, n: int = 64, seed: int = 0) -> lis
         if reader.model is not None:
             reader.model.reset()
         t0 = time.perf_counter()
-        reader.read(layer, expert, buf, demand=True)
+        reader.load(layer, expert, slot, demand=True)
         out.append((time.perf_counter() - t0) * 1e3)
     return out

@@ -12,7 +12,8 @@ on them either way, and a demand load then costs no thread hand-off, as in a pla
 a hand-off to a woken worker added ~0.5 ms per load on a loaded 2-core host, more than the read itself).
 
 A worker reads the record from storage (:class:`~specprefetch.runtime.storage.ExpertReader`) into the cache
-slot (CPU), or into a pinned staging buffer and then, on the worker's own CUDA stream, into the GPU slot
+slot (CPU: a page-cache or RAM read straight into it, a direct read through one of the reader's shared staging
+buffers), or into a pinned staging buffer and then, on the worker's own CUDA stream, into the GPU slot
 (CUDA); the transfer is complete when the copy has finished. A failed read is retried ``retries`` times;
 a transfer that still fails releases its slot, so the expert is loaded again on demand when it is needed and
 a wrong or partial expert is never used.
@@ -80,7 +81,6 @@ class TransferEngine:
         self._seq = itertools.count()
         self._stop = False
         self.cuda = pool.device.type == "cuda"
-        self._inline_staging: torch.Tensor | None = None
         self.charge_delays = True  # the runtime clears it during prefill steps (see Transfer.charged)
         self.workers = [threading.Thread(target=self._work, args=(i,), name=f"expert-io-{i}", daemon=True)
                         for i in range(max(1, int(n_workers)))]
@@ -138,7 +138,7 @@ class TransferEngine:
         """Perform a claimed transfer on the calling thread (compute stream on CUDA), retrying failed reads."""
         slot = self.cache.slot(tr.key)
         while True:
-            error = _read_error(self._copy_inline, tr, slot)
+            error = _read_error(self._load, tr, slot)
             with self.cond:
                 if self._settle(tr, error):
                     return
@@ -224,17 +224,16 @@ class TransferEngine:
             return tr
 
     def _work(self, index: int) -> None:
-        staging = stream = None
+        stream = None
         if self.cuda:
             torch.cuda.set_device(self.pool.device)
-            staging = pinned_aligned(self.pool.layout.record_bytes)
             stream = torch.cuda.Stream(device=self.pool.device)
         while True:
             tr = self._next()
             if tr is None:
                 return
             slot = self.cache.slot(tr.key)
-            error = _read_error(self._copy, tr, slot, staging, stream)
+            error = _read_error(self._load, tr, slot, stream)
             with self.cond:
                 if not self._settle(tr, error):  # a retry: back in the queue for any worker
                     log.debug("retrying expert %s after I/O error: %s", tr.key, error)
@@ -256,45 +255,38 @@ class TransferEngine:
             return True
         return False
 
-    def _copy_inline(self, tr: Transfer, slot: int) -> None:
-        """The compute thread's own load: on CUDA a synchronous copy on the current (compute) stream."""
+    def _load(self, tr: Transfer, slot: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Bring ``tr``'s record into ``slot``: on CPU through :meth:`ExpertReader.load`; on CUDA from the RAM mirror or
+        a staging buffer (:meth:`ExpertReader.staging`), copied to the GPU on ``stream`` (a worker's: after the
+        slot's last reader, then synchronised) or, with no stream (the compute thread's own load), synchronously on
+        the current stream. A load the compute thread performs is a demand load."""
         layer, expert = tr.key
         dest = self.pool.record(slot)
+        kw = {"charged": tr.charged, "demand": tr.inline or tr.cls == DEMAND}
         if not self.cuda:
-            self.reader.read(layer, expert, dest, self.pool.buffer(slot), charged=tr.charged, demand=True)
+            self.reader.load(layer, expert, dest, self.pool.buffer(slot), **kw)
             return
         src = self.reader.source(layer, expert)
-        if src is None:
-            if self._inline_staging is None:
-                self._inline_staging = pinned_aligned(self.pool.layout.record_bytes)
-            self.reader.read(layer, expert, self._inline_staging, charged=tr.charged, demand=True)
-            src = self._inline_staging
+        if src is not None:
+            _to_device(src, dest, self.pool.events[slot], stream)
+            return
+        with self.reader.staging() as buf:
+            self.reader.read(layer, expert, buf, **kw)
+            _to_device(buf, dest, self.pool.events[slot], stream)
+
+
+def _to_device(src: torch.Tensor, dest: torch.Tensor, used: torch.cuda.Event | None,
+               stream: torch.cuda.Stream | None) -> None:
+    """Copy a host record into its GPU slot: synchronously on the current stream, or on ``stream`` once the kernels
+    that last read the slot (event ``used``) are done, waiting for the copy (the host buffer is reused after it)."""
+    if stream is None:
         dest.copy_(src)
-
-    def _copy(self, tr: Transfer, slot: int, staging: torch.Tensor | None, stream: torch.cuda.Stream | None) -> None:
-        layer, expert = tr.key
-        dest = self.pool.record(slot)
-        demand = tr.cls == DEMAND
-        if not self.cuda:
-            self.reader.read(layer, expert, dest, self.pool.buffer(slot), charged=tr.charged, demand=demand)
-            return
-        src = self.reader.source(layer, expert)
-        if src is None:
-            self.reader.read(layer, expert, staging, charged=tr.charged, demand=demand)
-            src = staging
-        with torch.cuda.stream(stream):
-            ev = self.pool.events[slot]
-            if ev is not None:
-                stream.wait_event(ev)
-            dest.copy_(src, non_blocking=True)
-        stream.synchronize()
-
-
-def pinned_aligned(nbytes: int) -> torch.Tensor:
-    """A pinned host staging buffer whose data starts on a page boundary (O_DIRECT reads land in it)."""
-    base = torch.empty(nbytes + 4096, dtype=torch.uint8).pin_memory()
-    off = -base.data_ptr() % 4096
-    return base[off: off + nbytes]
+        return
+    with torch.cuda.stream(stream):
+        if used is not None:
+            stream.wait_event(used)
+        dest.copy_(src, non_blocking=True)
+    stream.synchronize()
 
 
 def _read_error(copy: Callable[..., None], *args: Any) -> str | None:

@@ -42,7 +42,7 @@ from torch import nn
 from specprefetch.contracts import EMULATED, LATENCY_PARTS
 from specprefetch.io import atomic_path, provenance, write_json_atomic
 from specprefetch.runtime.session import Harness, RunResult
-from specprefetch.runtime.storage import ExpertReader, make_profile, measure_transfer_ms
+from specprefetch.runtime.storage import ExpertReader, host_buffer, make_profile, measure_transfer_ms
 from specprefetch.runtime.timeline import LayerEvent
 
 log = logging.getLogger(__name__)
@@ -136,13 +136,13 @@ def concurrent_throughput(reader: ExpertReader, n_workers: int, n: int = 64, see
     lock = threading.Lock()
 
     def work() -> None:
-        buf = torch.empty(st.record_bytes, dtype=torch.uint8)
+        slot = host_buffer(st.record_bytes)
         while True:
             with lock:
                 if not keys:
                     return
                 layer, expert = keys.pop()
-            reader.read(layer, expert, buf)
+            reader.load(layer, expert, slot)
 
     threads = [threading.Thread(target=work) for _ in range(max(1, n_workers))]
     t0 = time.perf_counter()
@@ -261,17 +261,34 @@ def compute_profile(events: list[LayerEvent], n_layers: int) -> dict[str, Any]:
     }
 
 
-def effective_transfer_ms(res: RunResult) -> float:
-    """Per-expert transfer time as the runtime experiences it: for each layer's batch of prefetches, the time from
-    its first start to its last completion divided by its size (worker wake-up, device queueing and the host CPU
-    the transfers share with compute included); the median over batches (robust to a background burst). NaN if
-    the run issued no prefetch."""
-    groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
-    for tr in res.transfers:
-        if tr.kind == "prefetch" and tr.state == "done" and tr.charged and not tr.inline:
-            groups[(tr.step, tr.key[0])].append(tr)
-    spans = [(max(t.t_end for t in g) - min(t.t_start for t in g)) / len(g) for g in groups.values()]
-    return statistics.median(spans) * 1e3 if spans else float("nan")
+def decoding_transfers(res: RunResult) -> list[Any]:
+    """The run's completed, charged transfers of decoding steps (prefetches and demand loads): what its storage
+    served while it decoded."""
+    decoding = {ev.step for ev in res.events if ev.n_tokens == 1}
+    return [tr for tr in res.transfers
+            if tr.state == "done" and tr.charged and tr.step in decoding and tr.t_end > tr.t_start > 0]
+
+
+def busy_s(transfers: list[Any]) -> float:
+    """The time some of ``transfers`` was running: the union of their ``[t_start, t_end)`` intervals, in s."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted((tr.t_start, tr.t_end) for tr in transfers):
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return busy
+
+
+def service_transfer_ms(res: RunResult) -> float:
+    """Per-expert transfer time as the runtime experiences it: in each decoding step, the time its storage was
+    serving some transfer (:func:`busy_s`) divided by the number it served, i.e. what one expert costs the storage
+    with the runtime's concurrency (its I/O workers' overlapping requests), queueing, thread wake-ups and the host
+    CPU the transfers share with compute included; the median over steps (robust to a background burst). NaN if
+    the run transferred nothing while decoding."""
+    by_step: dict[int, list[Any]] = defaultdict(list)
+    for tr in decoding_transfers(res):
+        by_step[tr.step].append(tr)
+    per_step = [busy_s(trs) / len(trs) for trs in by_step.values()]
+    return statistics.median(per_step) * 1e3 if per_step else float("nan")
 
 
 def derive_m_max(window_ms: float, transfer_ms: float, n_experts: int) -> int:
@@ -332,7 +349,7 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
     xfer_policy = next(p for p in ("specprefetch", "fate", "naive") if p == "naive" or p in harness.providers)
     t_eff: dict[str, float] = {}
     for st in storages:  # the transfer as the runtime experiences it, on every storage
-        t_eff[st] = effective_transfer_ms(harness.run(xfer_policy, st, m_max=int(harness.spec.top_k),
+        t_eff[st] = service_transfer_ms(harness.run(xfer_policy, st, m_max=int(harness.spec.top_k),
                                                       prompts=prompts))
     t_used = {st: (t_eff[st] if math.isfinite(t_eff[st]) else transfers[st]["transfer_ms"]) for st in storages}
     t_ref = t_used[ref]
