@@ -11,6 +11,7 @@ import bisect
 import gc
 import itertools
 import logging
+import os
 import random
 import threading
 import time
@@ -87,6 +88,9 @@ class Harness:
 
         self.capacity = capacity or cache_capacity(settings, store.total_experts, int(spec.top_k))
         self._readers: dict[str, ExpertReader] = {}
+        # the kernel may still be writing back dirty pages (a store just built: GBs): that writeback would share the
+        # disk with the measured cold reads, so it is flushed before any run
+        os.sync()
 
     def profile(self, storage: str) -> StorageProfile:
         return make_profile(storage, self.settings, self.store.layout.payload_bytes)

@@ -12,10 +12,13 @@ Measured on the current platform with the real runtime:
 - event-level candidate demand (Figure 1b): in the same run (bounded cache, reference storage), the number of the
   top-M predicted experts not available at ``t_pred`` times the per-expert transfer time, paired with the
   same event's window;
-- ``M_max = max(1, floor(median W_l / t_transfer))`` per storage (or the configured integer), where
-  ``t_transfer`` is the per-expert transfer time *inside the runtime* (a prefetching run at M = K: first submission
-  to last completion of a layer's prefetch batch, per expert), which includes queueing, I/O-thread wake-up and the
-  host CPU the transfers take from compute; the isolated read time is recorded next to it;
+- ``M_max = max(1, floor(median W_l / t_transfer))`` per storage (or the configured integer): as many experts as the
+  storage delivers within the window. ``t_transfer`` is the per-expert transfer time *inside the runtime*
+  (:func:`service_transfer_ms`: in a prefetching run at M = K, the time the storage was serving some transfer in a
+  decoding step divided by the transfers it served, median over steps), which includes the runtime's concurrency
+  (its I/O workers' requests overlap on a device that serves several at once), queueing, I/O-thread wake-ups and
+  the host CPU the transfers take from compute; the isolated read time (one request at a time) is recorded next to
+  it;
 - per-layer latency by component (attention, router, expert_load, moe_compute, other) with all experts
   resident and with on-demand loading (Figure 1a), from forward hooks that time the modules without
   changing them;
@@ -404,7 +407,7 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
         "transfer_ms_in_runtime": t_eff, "transfer_ms_used": t_used, "m_max": m_max,
         "m_max_per_storage": m_max_per_storage, "m_max_per_layer": m_max_per_layer,
         "m_max_source": "profiled" if auto else "config",
-        "m_max_rule": "max(1, floor(median W / t_transfer in the runtime)) per storage",
+        "m_max_rule": "max(1, floor(median W / per-expert service time in the runtime)) per storage",
         "predictor_for_window": pred_policy, "emulated_profiles": emulated,
         "emulation_overshoot_ms": overshoot, "transfer_cpu_ms": cpu_ms,
         "physical_model": phys,
