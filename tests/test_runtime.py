@@ -925,6 +925,32 @@ def test_window_excludes_the_layers_own_stall() -> None:
     assert w[(1, 0)] == pytest.approx(10.0 - 1.0 - 2.0) and w[(1, 1)] == pytest.approx(4.0)
 
 
+def test_service_transfer_time_is_busy_time_per_expert_and_the_budget_its_window_share() -> None:
+    """The per-expert transfer time behind M_max is what one expert costs the storage in the runtime: per decoding
+    step, the union of its transfers' intervals over their number (overlapping requests share the time, idle gaps
+    do not count), the median over steps; prefill, failed and uncharged transfers are not counted. M_max =
+    max(1, floor(W / t)), at most n."""
+    from specprefetch.runtime.session import RunResult
+    from specprefetch.runtime.timeline import RunStats
+    from specprefetch.runtime.transfer import Transfer
+    from specprefetch.runtime.window import derive_m_max, service_transfer_ms
+
+    def tr(step: int, a: float, b: float, state: str = "done", charged: bool = True) -> Transfer:
+        return Transfer((0, 0), "prefetch", step, 0, state=state, t_start=a, t_end=b, charged=charged)
+
+    events = [LayerEvent(s, 0, n, 0.0, [0], 0, 0, 1, 0) for s, n in ((0, 6), (1, 1), (2, 1), (3, 1))]
+    transfers = [tr(0, 0.0, 9.0),                                        # prefill: not decoding
+                 tr(1, 1.000, 1.004), tr(1, 1.001, 1.005), tr(1, 1.010, 1.012),  # busy 5 + 2 ms, 3 served
+                 tr(2, 2.000, 2.001), tr(2, 2.000, 2.001),              # 1 ms, 2 served
+                 tr(2, 2.0, 2.9, state="failed"), tr(2, 2.0, 2.9, charged=False),
+                 tr(3, 3.000, 3.006)]                                   # 6 ms, 1 served
+    res = RunResult("specprefetch", "nvme_cold", 6, True, 8, RunStats(), [], events, transfers)
+    assert service_transfer_ms(res) == pytest.approx(7.0 / 3)  # median of 7/3, 1/2 and 6 ms
+    assert math.isnan(service_transfer_ms(RunResult("off", "ram", 0, True, 8, RunStats(), [], events, [])))
+    assert derive_m_max(3.6, 7.0 / 3, 64) == 1 and derive_m_max(3.6, 0.5, 64) == 7 and derive_m_max(3.6, 0.01, 6) == 6
+    assert derive_m_max(0.2, 0.5, 64) == 1
+
+
 # ------------------------------------------------------------------------------------------ lockstep runs
 def test_own_time_removes_the_pauses_before_each_timestamp() -> None:
     from specprefetch.runtime.decode import Generation
