@@ -186,8 +186,8 @@ def overlap_bound(events: list[Any], comp: dict[str, Any] | None, transfer_ms: f
     overlap, where compute is the layer's measured all-resident time (a compute profile: bookkeeping, prediction and
     expert compute, plus the gap to the next layer) and transfers are the loads this run could not avoid (its demand
     loads and the prefetches its layer used) at the storage's measured per-expert transfer time; plus the per-token
-    head. NaN without a compute profile or transfer time. (The bound is optimistic: it takes the smaller of the
-    storage's isolated and in-runtime per-expert transfer times.)"""
+    head. NaN without a compute profile or transfer time. (The bound is optimistic: it takes the smallest per-expert
+    transfer time measured for the storage, :func:`set_bounds`.)"""
     if not comp or transfer_ms is None:
         return float("nan")
     t = float(transfer_ms) * 1e-3
@@ -208,9 +208,11 @@ def set_bounds(rows: list[dict[str, Any]], events_of: dict[tuple[str, int, Signa
                timings_of: dict[tuple[str, int, Signature], dict[str, Any]] | None = None) -> None:
     """Fill ``bound_tokens_per_s`` of every row (:func:`overlap_bound`). The compute of repeat ``r`` is the
     all-resident run of the same repeat (measured in the same block, so the bound sees the host as the run did);
-    without one, and for ``compute_opt`` off, the window profile's compute profile. Transfer times: the window
-    profile's per storage (isolated and in the runtime; the smaller). With ``timings_of`` (:func:`run_timing` of
-    each run) also ``bound_own_tokens_per_s``: the same bound with the run's own measured compute, so the gap to the
+    without one, and for ``compute_opt`` off, the window profile's compute profile. Per-expert transfer time: the
+    smallest of the window profile's for the storage (isolated and in the runtime) and, with ``timings_of``
+    (:func:`run_timing` of each run), the run's own service time (a run with few transfers in flight may be served
+    faster than the profile's run at M = K; the bound must not be beaten). With ``timings_of`` also
+    ``bound_own_tokens_per_s``: the same bound with the run's own measured compute, so the gap to the
     bound splits into compute the offloaded run lost (the host's cores and memory shared with its transfers) and
     the transfers it left exposed."""
     from specprefetch.runtime.window import compute_profile
@@ -226,12 +228,13 @@ def set_bounds(rows: list[dict[str, Any]], events_of: dict[tuple[str, int, Signa
             continue
         comp = resident.get(int(row["repeat"])) if row["compute_opt"] else None
         comp = comp or profile.get("compute", {}).get("opt" if row["compute_opt"] else "loop")
+        own = (timings_of or {}).get((row["measured_in"], int(row["repeat"]), sig))
         times = [t for t in (t_used.get(row["storage"]),
-                             profile.get("transfer_ms", {}).get(row["storage"], {}).get("transfer_ms"))
+                             profile.get("transfer_ms", {}).get(row["storage"], {}).get("transfer_ms"),
+                             (own or {}).get("service_ms"))
                  if t is not None and math.isfinite(t)]
         t = min(times) if times else None
         row["bound_tokens_per_s"] = overlap_bound(evs, comp, t)
-        own = (timings_of or {}).get((row["measured_in"], int(row["repeat"]), sig))
         if own is not None:
             row["bound_own_tokens_per_s"] = overlap_bound(evs, own["compute"], t)
 

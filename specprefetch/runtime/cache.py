@@ -17,6 +17,7 @@ from collections.abc import Collection, Iterable
 import torch
 
 from specprefetch.io import SpecPrefetchError
+from specprefetch.runtime.storage import HUGE_PAGE, host_buffer
 from specprefetch.runtime.store import RecordLayout
 
 Key = tuple[int, int]  # (MoE layer ordinal, expert id)
@@ -177,10 +178,10 @@ class SlotPool:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.capacity = capacity
         rb = layout.record_bytes
-        if self.device.type == "cpu":  # every slot on an alignment boundary: O_DIRECT reads land straight in it
-            base = torch.zeros(capacity * rb + layout.alignment, dtype=torch.uint8)
-            off = -base.data_ptr() % layout.alignment
-            self.data = base[off: off + capacity * rb].view(capacity, rb)
+        if self.device.type == "cpu":  # huge pages, every slot on an alignment boundary (storage.host_buffer)
+            if HUGE_PAGE % layout.alignment:
+                raise CacheError(f"record alignment {layout.alignment} does not divide a 2 MB page")
+            self.data = host_buffer(capacity * rb).view(capacity, rb)
         else:
             self.data = torch.zeros(capacity, rb, dtype=torch.uint8, device=self.device)
         self.events: list[torch.cuda.Event | None] = [None] * capacity
