@@ -322,7 +322,7 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     plain = [g.new_ids for g in harness.plain_generations()]
     log.info("plain model: %d prompts x %d new tokens (sha256 %s)", len(plain), len(plain[0]) if plain else 0,
              tokens_sha256(plain)[:12])
-    measured: dict[tuple[str, int, Signature], dict[str, Any]] = {}
+    measured: dict[tuple[int, Signature], dict[str, Any]] = {}  # (repeat, signature): a signature names its storage
     routing: dict[str, Any] = {}
     events_of: dict[tuple[str, int, Signature], list[Any]] = {}
     timings_of: dict[tuple[str, int, Signature], dict[str, Any]] = {}
@@ -341,7 +341,7 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
                                             "model's greedy generate(); the offloaded runtime must not change outputs")
                 row = {**run_row(res, cfg, r, platform, model, harness.store.layout, match, float("nan")),
                        "run_order": pos}
-                measured[(storage, r, cfg.signature)] = row
+                measured[(r, cfg.signature)] = row
                 events_of[(cfg.experiment, r, cfg.signature)] = res.events
                 timings_of[(cfg.experiment, r, cfg.signature)] = timing = run_timing(res, harness.store.n_layers)
                 if r == 0:  # routing and priorities are the same in every repeat (same tokens): record one
@@ -350,7 +350,7 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
                 routing[cfg.key]["repeats"].append(row)
                 routing[cfg.key]["timings"].append(timing)
                 log.info("[%d/%d] %s r%d: %.2f tok/s", done, n_runs, cfg.key, r, res.tokens_per_s)
-    rows = [{**measured[(c.storage, r, c.signature)], "experiment": exp}
+    rows = [{**measured[(r, c.signature)], "experiment": exp}
             for exp, configs in plan.items() for r in range(repeats) for c in configs]
     set_bounds(rows, events_of, profile, harness.store.n_layers, timings_of)
     write_runs_csv(out_csv, rows)

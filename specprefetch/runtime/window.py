@@ -353,7 +353,7 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
     t_eff: dict[str, float] = {}
     for st in storages:  # the transfer as the runtime experiences it, on every storage
         t_eff[st] = service_transfer_ms(harness.run(xfer_policy, st, m_max=int(harness.spec.top_k),
-                                                      prompts=prompts))
+                                                    prompts=prompts))
     t_used = {st: (t_eff[st] if math.isfinite(t_eff[st]) else transfers[st]["transfer_ms"]) for st in storages}
     t_ref = t_used[ref]
     phys = physical_device_model(harness, transfers["nvme_cold"]["transfer_ms"]) if "nvme_cold" in transfers else None
