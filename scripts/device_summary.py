@@ -131,6 +131,11 @@ def profiles(root: Path) -> str:
                    f"({tr.get('nvme_cold', {}).get('cold_read_mode', '?')}); overshoot % "
                    f"{({k: round(v['pct_of_model'], 2) for k, v in prof.get('emulation_overshoot_ms', {}).items()})}; "
                    f"per-layer M_max {prof.get('m_max_per_layer')}")
+        fl = prof.get("disk_fluctuation")
+        if fl:
+            out.append(f"cold disk over {fl['batches']} batches of {fl['reads_per_batch']} reads "
+                       f"({fl['batch_s']:.2f} s each): batch medians {fl['min_ms']:.2f}–{fl['max_ms']:.2f} ms, "
+                       f"cv {fl['cv_pct']:.1f} %; read p99 {fl['read_p99_ms']:.2f} ms, max {fl['read_max_ms']:.2f} ms")
     return "\n".join(out)
 
 

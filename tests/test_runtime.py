@@ -492,7 +492,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     s = section_defaults("device", {"n_prompts": 1, "max_new_tokens": 5, "repeats": 1, "io_workers": 2,
                                  "storages": ["nvme_cold", "slow_ufs"], "experiments": ["main", "matched", "component"],
                                  "window": {"n_prompts": 1, "demand_m": [2, 4], "transfer_samples": 4},
-                                 "cache": {"capacity_experts": 8}})
+                                 "cache": {"capacity_experts": 8}, "max_block_runs": 6})
     prompts = [Prompt("p0", {"input_ids": torch.randint(0, VOCAB, (1, 6)), "attention_mask": torch.ones(1, 6).long()})]
     providers = provider_factories({}, spec, "cpu")
     adapter = random_adapter(spec)
@@ -501,6 +501,9 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     try:
         prof = profile_window(h, "tiny", "test-cpu", tmp_path / "window")
         assert 1 <= prof["m_max"] <= spec.n_experts and prof["window_ms_mean"] > 0
+        fl = prof["disk_fluctuation"]  # the cold disk's batch medians, in ms, and their spread
+        assert len(fl["batch_median_ms"]) == fl["batches"] and fl["min_ms"] <= fl["max_ms"] <= fl["read_max_ms"]
+        assert fl["cv_pct"] >= 0 and fl["batch_s"] > 0
         rows = bench_runtime(h, prof, "tiny", "test-cpu", tmp_path / "runs.csv", routing_out=tmp_path / "r.safetensors")
     finally:
         h.close()
@@ -525,18 +528,19 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         assert float(r["bound_tokens_per_s"]) > 0 and len(r["tokens_sha256"]) == 64
         assert float(r["bound_own_tokens_per_s"]) > 0
         assert int(r["peak_cache_experts"]) <= int(r["capacity_experts"])
-    # one block per storage: a configuration two experiments run on one storage is one run (the same repeat, so
-    # every pair, Figure 6's across compute_opt too, comes from one block); measured_in names the first experiment
+    # blocks of at most 6 configurations: main and matched share the cold disk's first block (a configuration both
+    # run is one run, measured_in names the first experiment); component is a block of its own, with its own OFF
     by = {(r["experiment"], r["policy"], r["storage"], r["compute_opt"]): r for r in got}
     for pol in ("off", "naive", "specprefetch", "fate"):
         reused, orig = by[("matched", pol, "nvme_cold", "true")], by[("main", pol, "nvme_cold", "true")]
         assert reused["measured_in"] == "main" and reused["tokens_per_s"] == orig["tokens_per_s"]
+        assert reused["block"] == "nvme_cold"
         assert by[("matched", pol, "slow_ufs", "true")]["measured_in"] == "matched"
-    assert {(r["compute_opt"], r["measured_in"]) for r in got if r["experiment"] == "component"} == {
-        ("true", "main"), ("false", "component")}
-    assert by[("component", "off", "nvme_cold", "true")]["tokens_per_s"] == by[("main", "off", "nvme_cold",
-                                                                                "true")]["tokens_per_s"]
-    assert len({(r["storage"], r["run_order"]) for r in got}) == 6 + 2 + 4  # runs: main + component's + slow_ufs
+    assert {(r["compute_opt"], r["measured_in"], r["block"]) for r in got if r["experiment"] == "component"} == {
+        ("true", "component", "nvme_cold#2"), ("false", "component", "nvme_cold#2")}
+    assert by[("component", "off", "nvme_cold", "true")]["tokens_sha256"] == by[("main", "off", "nvme_cold",
+                                                                                 "true")]["tokens_sha256"]
+    assert len({(r["block"], r["run_order"]) for r in got}) == 6 + 4 + 4  # runs: main's, component's, slow_ufs's
     from specprefetch.contracts import ROUTING_FORMAT, load_tensor_tree
     from specprefetch.runtime.simrun import check_routing_record
 
@@ -559,37 +563,56 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     assert off["misses"]["rel_error"] == 0 and off["hits"]["rel_error"] == 0
 
 
-def test_one_block_per_storage_measures_each_configuration_once() -> None:
-    """Every distinct configuration an experiment runs on a storage is measured once, in that storage's block, as
-    the first experiment that lists it; per-layer budgets that differ from M_max add one configuration."""
+def test_blocks_measure_each_configuration_once_per_block() -> None:
+    """Without a size limit a storage is one block that measures every distinct configuration its experiments run
+    once, as the first experiment that lists it; with ``max_block_runs`` whole experiments are packed into blocks of
+    at most that many configurations, each block with its own OFF; per-layer budgets that differ from M_max add one
+    configuration."""
     from specprefetch.config import REPO_ROOT, load_config
     from specprefetch.runtime.bench import plan_experiments, storage_blocks
     from specprefetch.runtime.settings import device_settings
 
     s = device_settings(load_config(REPO_ROOT / "config" / "config.yaml"))
     plan = plan_experiments(s, 5, s["experiments"])
-    blocks = storage_blocks(plan)
+    blocks = {b.name: b for b in storage_blocks(plan)}
     assert list(blocks) == ["nvme_cold", "slow_ufs", "nvme", "ufs"]
-    got = {st: sorted((c.experiment, c.policy, c.budget, c.compute_opt) for c in v) for st, v in blocks.items()}
+    assert {b.storage for b in blocks.values()} == set(blocks)
+    got = {st: sorted((c.experiment, c.policy, c.budget, c.compute_opt) for c in b.configs)
+           for st, b in blocks.items()}
     main = [("main", p, 0 if p in ("off", "resident") else 5, True) for p in s["main_policies"]]
     sweep = [("sweep", "specprefetch", m, True) for m in s["sweep_m_max"] if m != 5]
     component = [("component", "off", 0, False), ("component", "specprefetch", 5, False)]
     assert got["nvme_cold"] == sorted(main + sweep + component)
+    assert blocks["nvme_cold"].experiments == tuple(s["experiments"])
     assert got["slow_ufs"] == sorted(("matched", p, 0 if p == "off" else 5, True) for p in s["matched_policies"])
     assert got["nvme"] == got["ufs"] == [("storage", "off", 0, True), ("storage", "specprefetch", 5, True)]
-    for st, configs in blocks.items():  # every experiment's configuration on st is in its block, once
-        sigs = [c.signature for c in configs]
+    for st, b in blocks.items():  # every experiment's configuration on st is in its block, once
+        sigs = [c.signature for c in b.configs]
         assert len(sigs) == len(set(sigs))
         assert {c.signature for v in plan.values() for c in v if c.storage == st} == set(sigs)
     assert len(plan["budget"]) == 2 * len(set(s["storages"]) | {"nvme_cold", "slow_ufs"})
+    # at most 6 per block: the cold disk's experiments in three blocks, each pairing with its own OFF
+    small = storage_blocks(plan, 6)
+    assert [(b.name, b.experiments, len(b.configs)) for b in small] == [
+        ("nvme_cold", ("main", "matched", "storage", "budget"), 6), ("nvme_cold#2", ("sweep",), 6),
+        ("nvme_cold#3", ("component",), 4), ("slow_ufs", ("matched", "storage", "budget"), 4),
+        ("nvme", ("storage", "budget"), 2), ("ufs", ("storage", "budget"), 2)]
+    for b in small:
+        assert ("off", b.storage, 0, True, ()) in {c.signature for c in b.configs}
+        for exp in b.experiments:  # every configuration of an experiment is in the one block that measures it
+            assert {c.signature for c in plan[exp] if c.storage == b.storage} <= {c.signature for c in b.configs}
+    assert {(e, b.storage) for b in small for e in b.experiments} == {
+        (c.experiment, c.storage) for v in plan.values() for c in v}
+    # an experiment larger than the limit is a block of its own, never split
+    assert [len(b.configs) for b in storage_blocks(plan, 2) if b.storage == "nvme_cold"] == [6, 6, 4]
     # per-layer budgets that differ from M_max on one storage: one more configuration there, in the budget plan
     n = 5
     layers = {st: (5,) * n for st in ("nvme_cold", "slow_ufs", "nvme")} | {"ufs": (5, 6, 6, 4, 5)}
     plan = plan_experiments(s, 5, s["experiments"], layers)
-    blocks = storage_blocks(plan)
-    assert [(c.experiment, c.policy, c.layers) for c in blocks["ufs"]] == [
+    blocks = {b.name: b for b in storage_blocks(plan)}
+    assert [(c.experiment, c.policy, c.layers) for c in blocks["ufs"].configs] == [
         ("storage", "off", ()), ("storage", "specprefetch", ()), ("budget", "specprefetch", (5, 6, 6, 4, 5))]
-    assert len(blocks["nvme"]) == 2 and blocks["ufs"][2].key.endswith("|L6/6/4/5")
+    assert len(blocks["nvme"].configs) == 2 and blocks["ufs"].configs[2].key.endswith("|L6/6/4/5")
 
 
 # ------------------------------------------------------------------------------------------ lm-eval

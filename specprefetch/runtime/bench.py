@@ -13,13 +13,15 @@ Experiments (the ``experiment`` column of ``runs.csv``), all on the same prompts
   ``M_max,l = ⌊W_l / t_transfer⌋`` (the window profile's ``m_max_per_layer``), on every storage (column
   ``layer_m_max``; where every layer's budget equals ``M_max`` the two are one configuration, measured once).
 
-One block per storage and repeat measures every distinct configuration that any experiment runs on that storage
-(:func:`storage_blocks`), once, before repeat ``r+1`` starts: in lockstep, token by token in a fresh random order
-every token (``device.interleave: token``, the default; see :meth:`~specprefetch.runtime.session.Harness.run_lockstep`),
-or one run after another in a random order (``run``). Every experiment's rows on that storage are the block's runs
-of the same repeat (column ``measured_in`` names the first experiment that lists the configuration), so OFF is one
-run that every experiment on the storage pairs with, and every pair (Figure 6's across compute_opt too) comes from
-one block. Gains are paired: ``tokens_per_s / tokens_per_s(off, same storage, compute_opt, repeat) - 1``.
+The blocks of :func:`storage_blocks` measure the plan: a block holds whole experiments of one storage and measures
+every distinct configuration they run on it once per repeat, before repeat ``r+1`` starts: in lockstep, token by
+token in a fresh random order every token (``device.interleave: token``, the default; see
+:meth:`~specprefetch.runtime.session.Harness.run_lockstep`), or one run after another in a random order (``run``).
+A storage is one block, or, with ``device.max_block_runs``, several blocks of at most that many configurations, each
+with its own OFF (on the physical disk a big lockstep block pairs worse: its runs' tokens lie further apart).
+An experiment's rows are its block's runs of the same repeat (column ``block``; ``measured_in`` names the block's
+first experiment that lists the configuration), so every pair (Figure 6's across compute_opt too) comes from one
+block. Gains are paired: ``tokens_per_s / tokens_per_s(off, same experiment, storage, compute_opt, repeat) - 1``.
 Every run must decode exactly the tokens of the plain model's greedy ``generate()`` (every expert resident, no
 runtime: :meth:`Harness.plain_generations`); the router decides, so a policy cannot change them; a run that does
 is an error. Each run's tokens (``tokens_sha256``; the tokens themselves in the routing record), routing and
@@ -166,15 +168,43 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
     return out
 
 
-def storage_blocks(plan: dict[str, list[RunConfig]]) -> dict[str, list[RunConfig]]:
-    """Per storage, the distinct configurations (by :attr:`RunConfig.signature`) that the experiments of ``plan`` run
-    on it, each as the first experiment (in plan order) that lists it: what one block per storage and repeat
-    measures."""
-    out: dict[str, dict[Signature, RunConfig]] = {}
-    for configs in plan.values():
+@dataclass(frozen=True)
+class Block:
+    """Configurations measured together, once per repeat (:func:`measure_block`), and the experiments whose runs on
+    ``storage`` they are."""
+    name: str
+    storage: str
+    configs: tuple[RunConfig, ...]
+    experiments: tuple[str, ...]
+
+
+def storage_blocks(plan: dict[str, list[RunConfig]], max_runs: int | None = None) -> list[Block]:
+    """The blocks that measure ``plan``: per storage, the distinct configurations (by :attr:`RunConfig.signature`)
+    its experiments run on it, each once per block, as the first experiment of the block (in plan order) that lists
+    it.
+
+    Without ``max_runs`` a storage is one block (named after it). With it, a storage's experiments are packed whole,
+    in plan order, into the first of its blocks that they keep at ``max_runs`` distinct configurations or fewer (an
+    experiment the block already covers joins it for free; one larger than ``max_runs`` gets a block of its own), so
+    each block runs its own OFF and an experiment's pairs always come from one block. A storage's later blocks are
+    named ``<storage>#2``, ``<storage>#3``, ..."""
+    groups: dict[str, list[tuple[dict[Signature, RunConfig], list[str]]]] = {}
+    for name, configs in plan.items():
+        by_storage: dict[str, dict[Signature, RunConfig]] = {}
         for c in configs:
-            out.setdefault(c.storage, {}).setdefault(c.signature, c)
-    return {st: list(v.values()) for st, v in out.items()}
+            by_storage.setdefault(c.storage, {}).setdefault(c.signature, c)
+        for st, exp in by_storage.items():
+            blocks = groups.setdefault(st, [])
+            fits = [b for b in blocks
+                    if max_runs is None or exp.keys() <= b[0].keys() or len(b[0].keys() | exp.keys()) <= max_runs]
+            if fits:
+                for sig, c in exp.items():
+                    fits[0][0].setdefault(sig, c)
+                fits[0][1].append(name)
+            else:
+                blocks.append((dict(exp), [name]))
+    return [Block(st if i == 0 else f"{st}#{i + 1}", st, tuple(b.values()), tuple(exps))
+            for st, blocks in groups.items() for i, (b, exps) in enumerate(blocks)]
 
 
 def tokens_sha256(tokens: list[list[int]]) -> str:
@@ -302,7 +332,7 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
                   config_fragment: Any = None, seed: int = 0) -> list[dict[str, Any]]:
     """Run every experiment and write ``out_csv`` (one row per run and experiment); returns the rows.
 
-    Each (storage, repeat) block's configurations (:func:`storage_blocks`), in a seeded random order
+    Each (block, repeat)'s configurations (:func:`storage_blocks`), in a seeded random order
     (``block_order``; column ``run_order`` is a run's position), are measured by :func:`measure_block`: in lockstep,
     or one after another in that order, so no policy is always first (or always right after the warm-up).
     """
@@ -310,11 +340,12 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     m_max = resolve_m_max(settings, profile)
     plan = plan_experiments(settings, m_max, experiments or settings["experiments"],
                             resolve_layer_m_max(settings, profile, m_max))
-    blocks = storage_blocks(plan)
+    blocks = storage_blocks(plan, settings["max_block_runs"])
+    block_of = {(exp, b.storage): b.name for b in blocks for exp in b.experiments}
     repeats = int(settings["repeats"])
-    n_runs = sum(len(v) for v in blocks.values()) * repeats
+    n_runs = sum(len(b.configs) for b in blocks) * repeats
     log.info("%d runs in %d blocks per repeat (%s) for %s", n_runs, len(blocks),
-             ", ".join(f"{st}: {len(v)}" for st, v in blocks.items()),
+             ", ".join(f"{b.name}: {len(b.configs)}" for b in blocks),
              ", ".join(f"{k} ({len(v)} configs)" for k, v in plan.items()))
     # warm-up: allocator, lazy module init, page-table of the store (not recorded)
     harness.run("resident", "ram", max_new_tokens=4, prompts=harness.prompts[:1])
@@ -322,17 +353,17 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     plain = [g.new_ids for g in harness.plain_generations()]
     log.info("plain model: %d prompts x %d new tokens (sha256 %s)", len(plain), len(plain[0]) if plain else 0,
              tokens_sha256(plain)[:12])
-    measured: dict[tuple[int, Signature], dict[str, Any]] = {}  # (repeat, signature): a signature names its storage
+    measured: dict[tuple[str, int, Signature], dict[str, Any]] = {}  # (block, repeat, signature)
     routing: dict[str, Any] = {}
     events_of: dict[tuple[str, int, Signature], list[Any]] = {}
     timings_of: dict[tuple[str, int, Signature], dict[str, Any]] = {}
     done = 0
     lockstep = settings["interleave"] == "token"
-    for storage, configs in blocks.items():
+    for b in blocks:
         for r in range(repeats):
-            block = block_order(configs, seed, storage, r)
-            results = measure_block(harness, dict(enumerate(block)), lockstep, f"{seed}/{storage}/{r}")
-            for pos, cfg in enumerate(block):
+            order = block_order(list(b.configs), seed, b.name, r)
+            results = measure_block(harness, dict(enumerate(order)), lockstep, f"{seed}/{b.name}/{r}")
+            for pos, cfg in enumerate(order):
                 res = results[pos]
                 done += 1
                 match = res.tokens() == plain
@@ -340,8 +371,8 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
                     raise SpecPrefetchError(f"{model}: run {cfg.key} repeat {r} decoded other tokens than the plain "
                                             "model's greedy generate(); the offloaded runtime must not change outputs")
                 row = {**run_row(res, cfg, r, platform, model, harness.store.layout, match, float("nan")),
-                       "run_order": pos}
-                measured[(r, cfg.signature)] = row
+                       "run_order": pos, "block": b.name}
+                measured[(b.name, r, cfg.signature)] = row
                 events_of[(cfg.experiment, r, cfg.signature)] = res.events
                 timings_of[(cfg.experiment, r, cfg.signature)] = timing = run_timing(res, harness.store.n_layers)
                 if r == 0:  # routing and priorities are the same in every repeat (same tokens): record one
@@ -350,7 +381,7 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
                 routing[cfg.key]["repeats"].append(row)
                 routing[cfg.key]["timings"].append(timing)
                 log.info("[%d/%d] %s r%d: %.2f tok/s", done, n_runs, cfg.key, r, res.tokens_per_s)
-    rows = [{**measured[(r, c.signature)], "experiment": exp}
+    rows = [{**measured[(block_of[(exp, c.storage)], r, c.signature)], "experiment": exp}
             for exp, configs in plan.items() for r in range(repeats) for c in configs]
     set_bounds(rows, events_of, profile, harness.store.n_layers, timings_of)
     write_runs_csv(out_csv, rows)

@@ -208,6 +208,19 @@ def transfer_cpu_ms(harness: Harness, storage: str, batches: int = 16) -> float:
         eng.shutdown()
 
 
+def read_fluctuation(reader: ExpertReader, batches: int = 24, per_batch: int = 16) -> dict[str, Any]:
+    """How the physical disk's read time moves on the time scale of a few decoded tokens: ``batches`` x ``per_batch``
+    isolated cold reads in a row, the median of each batch (``batch_s``: how long a batch took) and their spread
+    (``cv_pct``: sd / mean of the batch medians). Two runs of one lockstep block decode a token each a few hundred ms
+    apart, so this part of the disk's noise does not pair out: it sets the floor of a cold-disk gain's CI."""
+    ms = measure_transfer_ms(reader, n=batches * per_batch, seed=1)
+    med = [statistics.median(ms[i:i + per_batch]) for i in range(0, len(ms), per_batch)]
+    mean = statistics.fmean(med)
+    return {"batches": batches, "reads_per_batch": per_batch, "batch_s": sum(ms) / batches / 1e3,
+            "batch_median_ms": med, "cv_pct": 100.0 * statistics.stdev(med) / mean if mean > 0 else float("nan"),
+            "min_ms": min(med), "max_ms": max(med), "read_p99_ms": _quantile(ms, 0.99), "read_max_ms": max(ms)}
+
+
 def physical_device_model(harness: Harness, isolated_ms: float) -> dict[str, float]:
     """Fit (latency, bandwidth) of the physical disk for the simulator from isolated and concurrent loads."""
     reader = harness.reader("nvme_cold")
@@ -357,6 +370,7 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
     t_used = {st: (t_eff[st] if math.isfinite(t_eff[st]) else transfers[st]["transfer_ms"]) for st in storages}
     t_ref = t_used[ref]
     phys = physical_device_model(harness, transfers["nvme_cold"]["transfer_ms"]) if "nvme_cold" in transfers else None
+    fluct = read_fluctuation(harness.reader("nvme_cold")) if "nvme_cold" in transfers else None
     auto = settings["m_max"] == "auto"
     m_max_per_storage = {st: derive_m_max(w_med, t_used[st], n_experts) if auto else int(settings["m_max"])
                          for st in storages}
@@ -410,7 +424,7 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
         "m_max_rule": "max(1, floor(median W / per-expert service time in the runtime)) per storage",
         "predictor_for_window": pred_policy, "emulated_profiles": emulated,
         "emulation_overshoot_ms": overshoot, "transfer_cpu_ms": cpu_ms,
-        "physical_model": phys,
+        "physical_model": phys, "disk_fluctuation": fluct,
         "compute": {"opt": compute_profile(resident.events, n_layers),
                     "loop": compute_profile(resident_loop.events, n_layers),
                     "pred": compute_profile(window_run.events, n_layers)},
