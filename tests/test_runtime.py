@@ -594,7 +594,7 @@ def test_blocks_measure_each_configuration_once_per_block() -> None:
     # at most 6 per block: the cold disk's experiments in three blocks, each pairing with its own OFF
     small = storage_blocks(plan, 6)
     assert [(b.name, b.experiments, len(b.configs)) for b in small] == [
-        ("nvme_cold", ("main", "matched", "storage", "budget"), 6), ("nvme_cold#2", ("sweep",), 6),
+        ("nvme_cold", ("main", "matched", "storage", "budget"), 6), ("nvme_cold#2", ("sweep",), 7),
         ("nvme_cold#3", ("component",), 4), ("slow_ufs", ("matched", "storage", "budget"), 4),
         ("nvme", ("storage", "budget"), 2), ("ufs", ("storage", "budget"), 2)]
     for b in small:
@@ -603,8 +603,8 @@ def test_blocks_measure_each_configuration_once_per_block() -> None:
             assert {c.signature for c in plan[exp] if c.storage == b.storage} <= {c.signature for c in b.configs}
     assert {(e, b.storage) for b in small for e in b.experiments} == {
         (c.experiment, c.storage) for v in plan.values() for c in v}
-    # an experiment larger than the limit is a block of its own, never split
-    assert [len(b.configs) for b in storage_blocks(plan, 2) if b.storage == "nvme_cold"] == [6, 6, 4]
+    # an experiment larger than the limit is a block of its own, never split (the sweep: OFF, 1, 2, 4, 5, 8, 16)
+    assert [len(b.configs) for b in storage_blocks(plan, 2) if b.storage == "nvme_cold"] == [6, 7, 4]
     # per-layer budgets that differ from M_max on one storage: one more configuration there, in the budget plan
     n = 5
     layers = {st: (5,) * n for st in ("nvme_cold", "slow_ufs", "nvme")} | {"ufs": (5, 6, 6, 4, 5)}
