@@ -323,3 +323,24 @@ def test_cells_with_a_ci_round_trip_and_diff_by_mean(tmp_path: Path) -> None:
                        str(ROOT / "config" / "config.yaml"))
     assert rc == 1 and "FAIL  SpecPrefetch/gain: 7.5 -> 27.5" in out, out
     assert read_table_doc(tmp_path / "new" / "table4_overhead.json").by_id()["SpecPrefetch/gain"].hi == 9.9
+
+
+# ------------------------------------------------------------------------------------------------- the budget rule
+def _sweep_cell(m: int, per_repeat: list[float]) -> Cell:
+    ci = bootstrap_ci(per_repeat)
+    return Cell(f"M{m}/throughput", "throughput", ci.mean, {"m_max": m}, n=ci.n, lo=ci.lo, hi=ci.hi,
+                repeats={str(r): v for r, v in enumerate(per_repeat)})
+
+
+@pytest.mark.parametrize("profiled, verdict", [(8, Verdict.HOLDS), (4, Verdict.UNRESOLVED), (2, Verdict.FAILS),
+                                               (3, Verdict.NA)])
+def test_profiled_budget_at_the_sweeps_peak_is_decided_by_the_paired_ci(profiled: int, verdict: Verdict) -> None:
+    """The profiled M_max holds at the peak, fails where the peak is faster by the paired CI of their difference,
+    is unresolved where that CI contains 0, and is not evaluable where the profiled budget was not swept."""
+    from specprefetch.render.compare import _profiled_at_peak
+
+    tp = [_sweep_cell(2, [9.0, 9.1, 8.9, 9.0, 9.2, 8.8]), _sweep_cell(4, [10.1, 9.8, 10.3, 9.9, 10.2, 9.9]),
+          _sweep_cell(8, [10.0, 10.2, 10.1, 10.0, 10.1, 10.0])]
+    peak = max(tp, key=lambda c: c.value)
+    ev = _profiled_at_peak(tp, peak, profiled)
+    assert Verdict.of(ev.outcome) is verdict and ev.text.startswith(f"profiled {profiled}" if profiled != 3 else "the")

@@ -462,6 +462,25 @@ def _compare_cells(doc: TableDoc | None, a: str, b: str, label: str = "{a} vs {b
                       outcome, why)
 
 
+def _profiled_at_peak(tp: list[Cell], peak: Cell, profiled: Any) -> Evaluation:
+    """'The profiled budget is the fastest swept one': holds when it is the peak, fails when the peak is faster by
+    the paired CI of their difference, unresolved when that CI contains 0."""
+    at = next((c for c in tp if c.keys["m_max"] == profiled), None)
+    if at is None:
+        return Evaluation("the profiled M_max was not swept" if profiled is not None else "no profiled M_max", None)
+    text = f"profiled {profiled}, peak at {peak.keys['m_max']}"
+    if at is peak:
+        return Evaluation(text, True)
+    outcome, diff, why = _greater(peak, at, 3, " tok/s")  # the peak faster than the profiled budget: the claim fails
+    v = Verdict.of(outcome)
+    return Evaluation(text + diff, {Verdict.HOLDS: Verdict.FAILS, Verdict.FAILS: Verdict.HOLDS}.get(v, v), why)
+
+
+def _same(rep: Reported, a: str, b: str) -> bool | None:
+    x, y = rep.in_text.get(a), rep.in_text.get(b)
+    return None if x is None or y is None else x.value == y.value
+
+
 def _in_text(rep: Reported, *ids: str, fmt: str = "{}") -> str:
     vals = []
     for i in ids:
@@ -616,6 +635,10 @@ def _figure_claims(figs: Mapping[str, TableDoc], rep: Reported) -> list[Claim]:
                                         if diff else ""), outcome, why)
             add("f4_bounded_peak", "Figure 4", "Throughput peaks at a bounded M_max (below the largest swept)", ev,
                 _in_text(rep, "fig4/throughput_peak_m_max", fmt="peak at {}"), True, device=True)
+            add("f4_profiled_at_peak", "Figure 4", "The window-profiled M_max is the sweep's fastest budget",
+                _profiled_at_peak(tp, peak, bud.meta.get("profiled_m_max")),
+                _in_text(rep, "table4/m_max", "fig4/throughput_peak_m_max", fmt="profiled {}, peak at {}"),
+                _same(rep, "table4/m_max", "fig4/throughput_peak_m_max"), device=True)
     sto = figs.get("fig5_storage")
     if sto is not None:
         gains = {c.keys["storage"]: c for c in sto.cells if c.id.endswith("/gain") and c.value is not None}
