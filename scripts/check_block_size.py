@@ -7,13 +7,15 @@ plan (SpecPrefetch, FATE, Naive, PRED0 at the budget, SpecPrefetch at other budg
 repeats is the smallest CI half-width a paired gain measured in such a block can have. In every repeat the block
 sizes run in a fresh random order, so slow drift of the host hits every size alike.
 
-    python scripts/check_block_size.py --config config/config.yaml --model tiny-deepseek-vl2 --results results \\
-        --sizes 4,6,13 --repeats 6
+    python scripts/check_block_size.py --config config/config.yaml --model tiny-deepseek-vl2 --sizes 2,6,13 \\
+        --repeats 6
 
 prints, per size, the per-repeat A/A differences (percent points), their sd and 95 % CI half-width (bootstrap over
-repeats, as the tables), and writes them as JSON with ``--out``. Needs a built store, a window profile and the
-trained predictors (``snakemake --cores all paper_tables`` or the rules up to ``profile_window``). The budget is the
-window profile's M_max for the storage unless ``--m-max`` is given.
+repeats, as the tables), and writes them as JSON with ``--out``. Needs the DAG's outputs under ``--workdir`` (the
+checkout whose ``results/`` holds a built store, a window profile and the trained predictors: ``snakemake --cores
+all paper_tables`` or the rules up to ``profile_window``), found where the pipeline puts them
+(:class:`specprefetch.workflow.Pipeline`). The budget is the window profile's M_max for the storage
+(:func:`specprefetch.runtime.bench.resolve_m_max`) unless ``--m-max`` is given.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, default=REPO / "config" / "config.yaml")
     ap.add_argument("--model", default="tiny-deepseek-vl2")
-    ap.add_argument("--results", type=Path, default=REPO / "results", help="the DAG's results directory")
+    ap.add_argument("--workdir", type=Path, default=REPO, help="the checkout whose results/ the DAG wrote")
     ap.add_argument("--storage", default="nvme_cold")
     ap.add_argument("--sizes", default="4,6,13", help="block sizes, comma-separated (2 to %d)" % (len(FILLERS) + 2))
     ap.add_argument("--repeats", type=int, default=6)
@@ -56,27 +58,28 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or any(not 2 <= n <= len(FILLERS) + 2 for n in sizes) or args.repeats < 2:
         ap.error(f"--sizes must be 2..{len(FILLERS) + 2} and --repeats at least 2")
 
+    from specprefetch.config import load_config
     from specprefetch.io import SpecPrefetchError
     from specprefetch.render.data import bootstrap_ci
+    from specprefetch.runtime.bench import resolve_m_max
     from specprefetch.stages.device import _harness, _setup, _window_profile
+    from specprefetch.workflow import Pipeline
 
-    res = args.results
-    ns = argparse.Namespace(config=args.config, model=args.model, model_dir=res / "models" / args.model,
-                            store=res / "device" / "store" / args.model, workload_dir=None, predictor=[],
-                            device="cpu")
+    w, model = args.workdir, args.model
     try:
-        from specprefetch.config import load_config
-        from specprefetch.runtime.settings import device_settings
-
-        settings = device_settings(load_config(args.config))
-        ns.workload_dir = res / "workloads" / settings["workload"]
-        ns.predictor = [f"{m}={res / 'predictors' / args.model / m}" for m in ("specprefetch", "fate")]
+        p = Pipeline(load_config(args.config), w)
+        settings = p.device
         m_max = args.m_max
         if m_max is None:
-            prof = _window_profile(res / "device" / "window" / args.model, args.model)
-            m_max = int(prof["m_max_per_storage"][args.storage])
-        env = _setup(ns)
-        harness = _harness(env)
+            m_max = resolve_m_max(settings, _window_profile(w / p.window_dir(model), model)).get(args.storage)
+            if m_max is None:
+                raise SpecPrefetchError(f"--storage {args.storage!r} is not a storage of the device config")
+        model_dir = p.model_dir(model)
+        ns = argparse.Namespace(config=args.config, model=model, model_dir=w / model_dir if model_dir else None,
+                                store=w / p.store_dir(model), workload_dir=w / p.workload_dir(p.device_workload),
+                                predictor=[f"{m}={w / p.predictor_dir(model, m)}" for m in p.device_predictors],
+                                device="cpu")
+        harness = _harness(_setup(ns))
     except SpecPrefetchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -195,14 +195,14 @@ def storage_blocks(plan: dict[str, list[RunConfig]], max_runs: int | None = None
             by_storage.setdefault(c.storage, {}).setdefault(c.signature, c)
         for st, exp in by_storage.items():
             blocks = groups.setdefault(st, [])
-            fits = [b for b in blocks
-                    if max_runs is None or exp.keys() <= b[0].keys() or len(b[0].keys() | exp.keys()) <= max_runs]
-            if fits:
-                for sig, c in exp.items():
-                    fits[0][0].setdefault(sig, c)
-                fits[0][1].append(name)
-            else:
+            fit = next((b for b in blocks if max_runs is None or exp.keys() <= b[0].keys()
+                        or len(b[0].keys() | exp.keys()) <= max_runs), None)
+            if fit is None:
                 blocks.append((dict(exp), [name]))
+                continue
+            for sig, c in exp.items():
+                fit[0].setdefault(sig, c)
+            fit[1].append(name)
     return [Block(st if i == 0 else f"{st}#{i + 1}", st, tuple(b.values()), tuple(exps))
             for st, blocks in groups.items() for i, (b, exps) in enumerate(blocks)]
 
