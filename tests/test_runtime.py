@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.cache import CacheError, ExpertCache
 from specprefetch.runtime.engine import POLICIES, OffloadedRuntime, OffloadError, RuntimeOptions
 from specprefetch.runtime.priority import PredictorPriority, PreviousTokenPriority, fate_from_model, select_prefetch
@@ -1073,3 +1074,85 @@ def test_measure_block_runs_every_configuration_by_position(setup: dict[str, Any
         h.close()
     assert sorted(got) == [0, 2] and got[0].policy == "specprefetch" and got[2].policy == "off"
     assert got[2].m_max == 0 and all(r.tokens() == plain for r in got.values())
+
+
+def test_prefill_loads_on_demand_only(setup: dict[str, Any]) -> None:
+    """A prefill (many tokens) never prefetches, whatever the policy, so it leaves every policy the same cache;
+    decoding steps do prefetch."""
+    _, rt = run_policy(setup, "specprefetch", m_max=4, record=True)
+    prefill_steps = {ev.step for ev in rt.events if ev.n_tokens > 1}
+    assert prefill_steps == {0}
+    assert not [tr for tr in rt.engine.log if tr.step == 0 and tr.kind == "prefetch"]
+    assert not [ev for ev in rt.events if ev.step == 0 and (ev.issued or ev.t_pred is not None)]
+    assert any(tr.kind == "prefetch" for tr in rt.engine.log)
+
+
+def test_decoding_from_an_adopted_prefill(setup: dict[str, Any]) -> None:
+    """A runtime that adopts another's prefill decodes the plain tokens from it (first token's time: when decoding
+    resumes); every expert stays resident where all are; a cache of another capacity cannot adopt; a prefill does
+    not start another prompt."""
+    from specprefetch.runtime.decode import Prompt, greedy_generate, prefill
+
+    h = _lockstep_harness(setup)
+    prompt = h.prompts[0]
+    rts = []
+
+    def runtime(policy: str, **kw: Any) -> OffloadedRuntime:
+        rt = h.runtime(policy, "ram", m_max=2, record=True, **kw).install()
+        rt.reset_run()
+        rts.append(rt)
+        return rt
+
+    try:
+        src = runtime("off")
+        src.new_sequence()
+        start = prefill(h.model, prompt, h.tokenizer)
+        adopted, resident = runtime("specprefetch"), runtime("resident")
+        adopted.adopt(src)
+        resident.adopt(src)
+        with pytest.raises(OffloadError, match="same cache capacity"):
+            runtime("off", capacity=h.capacity + 1).adopt(src)
+        with pytest.raises(SpecPrefetchError, match="cannot start prompt 'other'"):
+            greedy_generate(h.model, Prompt("other", prompt.kwargs), NEW, start=start)
+        adopted.activate()
+        gen = greedy_generate(h.model, prompt, NEW, tokenizer=h.tokenizer, start=start)
+        plain = h.plain_generations()[0]
+    finally:
+        for rt in reversed(rts):
+            rt.uninstall()
+            rt.close()
+        h.close()
+    assert gen.new_ids == plain.new_ids and len(gen.times) == NEW and gen.times == sorted(gen.times)
+    assert adopted.stats().prefetched > 0 and resident.cache.used == h.store.total_experts
+
+
+def test_adopted_state_equals_own_prefill_state(setup: dict[str, Any]) -> None:
+    """Cache, pool bytes, events and the Naive predictor's state after adopting a prefill = after running it."""
+    from specprefetch.runtime.decode import prefill
+
+    h = _lockstep_harness(setup)
+    prompt = h.prompts[0]
+    rts = []
+    try:
+        for policy in ("off", "naive", "naive"):
+            rt = h.runtime(policy, "ram", m_max=2, record=True).install()
+            rt.reset_run()
+            rts.append(rt)
+        src, own, adopted = rts
+        for rt in (src, own):
+            rt.activate()
+            rt.new_sequence()
+            prefill(h.model, prompt, h.tokenizer)
+        adopted.adopt(src)
+    finally:
+        for rt in reversed(rts):
+            rt.uninstall()
+            rt.close()
+        h.close()
+    assert list(adopted.cache.resident.items()) == list(own.cache.resident.items())
+    assert adopted.cache.free == own.cache.free and adopted.cache.peak_used == own.cache.peak_used
+    assert all(torch.equal(adopted.pool.record(s), own.pool.record(s)) for s in own.cache.resident.values())
+    assert [(e.step, e.layer, e.required) for e in adopted.events] == [(e.step, e.layer, e.required) for e in own.events]
+    assert adopted.step == own.step == 0
+    for a, b in zip(adopted.provider.last, own.provider.last, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)

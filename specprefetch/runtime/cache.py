@@ -153,6 +153,18 @@ class ExpertCache:
             self.infl_by_layer[key[0]].discard(key[1])
             self.pins.pop(key, None)
 
+    def copy_from(self, src: ExpertCache) -> None:
+        """Take ``src``'s content: resident experts, their slots and LRU order (nothing may be in flight or pinned)."""
+        with self.lock, src.lock:
+            if src.capacity != self.capacity or src.inflight or +src.pins:
+                raise CacheError("a cache can only copy an idle cache of the same capacity")
+            self.reset()
+            self.resident = OrderedDict(src.resident)
+            self.free = list(src.free)
+            for l, ids in src.res_by_layer.items():
+                self.res_by_layer[l] = set(ids)
+            self.peak_used, self.evictions = src.peak_used, src.evictions
+
     def preload(self, keys: Iterable[Key]) -> None:
         """Mark experts resident without a transfer (the all-resident upper bound fills the pool itself)."""
         with self.lock:
@@ -212,6 +224,11 @@ class SlotPool:
 
     def weights(self, slot: int) -> tuple[torch.Tensor, ...]:
         return self._weights[slot]
+
+    def copy_from(self, src: SlotPool, slots: Iterable[int]) -> None:
+        """Copy the bytes of ``slots`` from ``src`` (a pool of the same layout)."""
+        for s in slots:
+            self._records[s].copy_(src.record(s))
 
     def mark_used(self, slot: int) -> None:
         """Record on the current CUDA stream that kernels reading ``slot`` have been issued."""

@@ -4,10 +4,15 @@ Decoding uses the model's own ``generate`` (so multimodal position handling stay
 stopping criterion that only records the wall time at which every new token exists. Decoding throughput of a
 prompt is ``(n_new - 1) / (t_last - t_first)``: the prefill and the first token are excluded, as the paper
 reports decoding throughput.
+
+:func:`prefill` runs a prompt's prefill alone (the first new token and the KV cache); ``greedy_generate(...,
+start=...)`` then decodes the rest from a copy of that state, bit-identical to decoding from the prompt (the lockstep
+benchmark computes one prefill for all the runs it pairs; the first token's time is then when decoding resumes).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -86,21 +91,54 @@ def _pad_id(model: Any, tokenizer: Any = None) -> int | None:
     return None
 
 
+_GREEDY = {"do_sample": False, "num_beams": 1, "temperature": None, "top_p": None, "top_k": None}
+
+
+@dataclass
+class Prefilled:
+    """A prompt after its prefill: the prompt ids followed by the first new token, and the KV cache over the
+    prompt (copied by every decoding that starts from it)."""
+
+    prompt_id: str
+    n_prompt: int
+    sequences: Tensor
+    cache: Any
+
+
+@torch.no_grad()
+def prefill(model: Any, prompt: Prompt, tokenizer: Any = None) -> Prefilled:
+    """The prompt's prefill: one forward over the prompt and the first greedy token."""
+    out = model.generate(**prompt.kwargs, max_new_tokens=1, min_new_tokens=1, pad_token_id=_pad_id(model, tokenizer),
+                         return_dict_in_generate=True, **_GREEDY)
+    return Prefilled(prompt.id, prompt.n_tokens, out.sequences, out.cache)
+
+
 @torch.no_grad()
 def greedy_generate(model: Any, prompt: Prompt, max_new_tokens: int, fixed_length: bool = True,
-                    tokenizer: Any = None, between_tokens: Callable[[], None] | None = None) -> Generation:
+                    tokenizer: Any = None, between_tokens: Callable[[], None] | None = None,
+                    start: Prefilled | None = None) -> Generation:
     """Greedy decoding of ``prompt``; ``fixed_length`` forbids EOS so every run decodes the same count;
-    ``between_tokens`` is called after each new token is timestamped."""
+    ``between_tokens`` is called after each new token is timestamped. ``start``: ``prompt``'s :func:`prefill`,
+    decoded on from a copy of its state (the first token's time is now)."""
     from transformers import StoppingCriteriaList
 
     device = prompt.kwargs["input_ids"].device
     clock = _TokenClock(device.type == "cuda", between_tokens)
-    kwargs = dict(prompt.kwargs)
-    n_in = int(kwargs["input_ids"].shape[1])
+    n_in = prompt.n_tokens
+    if start is None:
+        kwargs, n_new = dict(prompt.kwargs), max_new_tokens
+    else:
+        if start.prompt_id != prompt.id or start.n_prompt != n_in:
+            raise SpecPrefetchError(f"prefill of prompt {start.prompt_id!r} cannot start prompt {prompt.id!r}")
+        seq = start.sequences
+        kwargs = {"input_ids": seq, "attention_mask": torch.ones_like(seq), "cache": copy.deepcopy(start.cache)}
+        n_new = max_new_tokens - 1
+        clock.times.append(time.perf_counter())
+        if n_new <= 0:
+            return Generation(prompt.id, seq[0, n_in:].tolist()[:max_new_tokens], clock.times[:max_new_tokens])
     out = model.generate(
-        **kwargs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if fixed_length else None,
-        do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None,
-        pad_token_id=_pad_id(model, tokenizer), stopping_criteria=StoppingCriteriaList([clock]),
+        **kwargs, max_new_tokens=n_new, min_new_tokens=n_new if fixed_length else None,
+        pad_token_id=_pad_id(model, tokenizer), stopping_criteria=StoppingCriteriaList([clock]), **_GREEDY,
     )
     seq = out if isinstance(out, Tensor) else out.sequences
     new = seq[0, n_in:].tolist() if seq.shape[1] > n_in else seq[0].tolist()

@@ -11,9 +11,10 @@ At MoE layer ``l`` (one call of ``OffloadedExperts.forward``):
    prefetched experts the layer does not need become the first eviction candidates.
 2. Required experts are pinned; absent ones are queued as demand loads, which the compute thread performs itself
    when it reaches them (no hand-off to an I/O thread; the layer blocks either way).
-3. The policy's provider turns ``x^l`` into priorities ``s^{l+1}`` (``t_pred``); the top ``M_max`` experts of layer
-   ``l+1`` neither resident nor in flight are queued as asynchronous prefetches in priority order (PRED0 computes
-   them but issues nothing).
+3. In a decoding step (one token), the policy's provider turns ``x^l`` into priorities ``s^{l+1}`` (``t_pred``); the
+   top ``M_max`` experts of layer ``l+1`` neither resident nor in flight are queued as asynchronous prefetches in
+   priority order (PRED0 computes them but issues nothing). A prefill (many tokens) loads on demand only: the
+   prompt's prefill leaves every policy the same cache, and decoding is what the policies are measured on.
 4. The experts are computed in ascending expert id (the accumulation order of transformers' eager loop, so the
    result is bit-identical whatever was cached), waiting for the loads still in flight (the stall). The layer's
    experts then become the most recently used (in ascending id, whatever order they arrived in).
@@ -25,6 +26,7 @@ instead of transformers' Python loop issuing ~10 kernels per expert. Prefill (ma
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections import defaultdict
@@ -162,6 +164,7 @@ class OffloadedRuntime:
         self.events: list[LayerEvent] = []
         self.step = -1
         self._issued: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+        self._routing: dict[int, tuple[Tensor, Tensor]] = {}  # the latest step's routing per layer (adopt)
 
     # -------------------------------------------------------------- lifecycle
     def install(self) -> OffloadedRuntime:
@@ -220,6 +223,7 @@ class OffloadedRuntime:
         self.events = []
         self.step = -1
         self._issued.clear()
+        self._routing.clear()
         if self.preload:
             self._preload_all()
         self.reader.prepare_run()
@@ -229,6 +233,26 @@ class OffloadedRuntime:
         """A new prompt starts: per-sequence predictor state is dropped (the cache is kept)."""
         if self.provider is not None:
             self.provider.reset()
+
+    def adopt(self, src: OffloadedRuntime) -> None:
+        """Continue from ``src``'s state after a prefill, as if this runtime had run it: its cache content and LRU
+        order with the bytes of its slots (unless every expert is resident here), its events and step, and the
+        prefill's routing observed by this runtime's provider. Both runtimes are idle (transfers drained)."""
+        src.engine.drain()
+        self.engine.drain()
+        if not self.preload:
+            if src.preload or src.capacity != self.capacity or src.layout != self.layout:
+                raise OffloadError("a runtime can only adopt the state of a runtime with the same cache capacity "
+                                   "and record layout, not one with every expert resident")
+            self.cache.copy_from(src.cache)
+            self.pool.copy_from(src.pool, self.cache.resident.values())
+        self.events = copy.deepcopy(src.events)
+        self.step = src.step
+        self._routing = dict(src._routing)
+        if self.provider is not None:
+            self.provider.reset()
+            for l, (idx, w) in sorted(self._routing.items()):
+                self.provider.observe(l, idx, w)
 
     def _preload_all(self) -> None:
         keys = [(l, e) for l in range(self.n_layers) for e in range(self.n_experts)]
@@ -257,7 +281,8 @@ class OffloadedRuntime:
         ev = self._begin_layer(l, t_exec, idx, required)
         protect = set(keys)
         j = self._acquire(keys, 0, protect)
-        self._predict_and_prefetch(l, hidden, ev, protect)
+        if idx.shape[0] == 1:
+            self._predict_and_prefetch(l, hidden, ev, protect)
         if self.opt.compute_opt and hidden.shape[0] == 1 and len(keys) == idx.shape[1]:
             out = self._compute_batched(mod, hidden, idx, top_k_weights, keys, j, protect, ev)
         else:
@@ -267,8 +292,9 @@ class OffloadedRuntime:
         with self.cache.lock:  # LRU: the layer used its experts (in ascending id, whatever order they arrived in)
             for key in keys:
                 self.cache.touch(key)
+        self._routing[l] = (idx, top_k_weights.detach())
         if self.provider is not None:
-            self.provider.observe(l, idx, top_k_weights.detach())
+            self.provider.observe(l, *self._routing[l])
         ev.t_done = time.perf_counter()
         return out
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from specprefetch.contracts import POLICY
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.decode import Generation, Prompt, greedy_generate
+from specprefetch.runtime.decode import Generation, Prefilled, Prompt, greedy_generate, prefill
 from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions, install_offloaded
 from specprefetch.runtime.paper_scale import install_store_experts, match_store
 from specprefetch.runtime.priority import PreviousTokenPriority, PriorityProvider
@@ -181,20 +181,29 @@ class Harness:
         own thread, runtime, cache and KV cache, and hands the model to the next run after its token, once its own
         transfers are finished (the wait counts in its time, so leftovers are never hidden by the hand-over). Each
         run's clock stops while the others decode: its timestamps (tokens, layer events, transfers) are mapped onto
-        its own time, as if it had run alone (:func:`own_time`)."""
+        its own time, as if it had run alone (:func:`own_time`).
+
+        The first prompt's prefill is computed once, by the first run without every expert resident, and every run
+        decodes on from a copy of its state (KV cache, first token, expert cache, the routing its predictor saw:
+        :meth:`OffloadedRuntime.adopt`), which is what each run's own prefill would have left (a prefill loads on
+        demand only, whatever the policy). Runs then start decoding from one state, and the untimed prefill is
+        paid once per block instead of once per run. Later prompts are prefilled by each run."""
         n_new = int(max_new_tokens or self.settings["max_new_tokens"])
+        prompts = list(prompts or self.prompts)
         back = threading.Event()
         lanes = [_Lane(i, self.runtime(**kw), back) for i, kw in enumerate(runs)]
         rng = random.Random(f"specprefetch/lockstep/{seed}")
+        start: Prefilled | None = None
 
         def decode(lane: _Lane) -> None:
             try:
                 lane.wait_turn()
                 t0 = time.perf_counter()
-                for p in prompts or self.prompts:
-                    lane.rt.new_sequence()
-                    lane.gens.append(greedy_generate(self.model, p, n_new, fixed_length=True,
-                                                     tokenizer=self.tokenizer, between_tokens=lane.hand_over))
+                for i, p in enumerate(prompts):
+                    if i or start is None:
+                        lane.rt.new_sequence()
+                    lane.gens.append(greedy_generate(self.model, p, n_new, fixed_length=True, tokenizer=self.tokenizer,
+                                                     between_tokens=lane.hand_over, start=None if i else start))
                 lane.wall = time.perf_counter() - t0
             except BaseException as exc:  # handed to the scheduler, which re-raises it
                 lane.error = exc
@@ -209,6 +218,7 @@ class Harness:
             for lane in lanes:
                 lane.rt.install()
                 lane.rt.reset_run()
+            start = self._shared_prefill([lane.rt for lane in lanes], prompts[0]) if prompts else None
             threads = [threading.Thread(target=decode, args=(lane,), name=f"lockstep-{lane.index}", daemon=True)
                        for lane in lanes]
             for t in threads:
@@ -238,6 +248,21 @@ class Harness:
             res = _result(lane.rt, kw["storage"], lane.gens, lane.wall - sum(b - a for a, b in lane.pauses))
             out.append(own_time(res, lane.pauses))
         return out
+
+
+    def _shared_prefill(self, runtimes: list[OffloadedRuntime], prompt: Prompt) -> Prefilled | None:
+        """``prompt``'s prefill by the first runtime without every expert resident, adopted by the others; None
+        (each run prefills) where their caches differ in capacity."""
+        if len({rt.capacity for rt in runtimes if not rt.preload}) > 1:
+            return None
+        src = next((rt for rt in runtimes if not rt.preload), runtimes[0])
+        src.activate()
+        src.new_sequence()
+        start = prefill(self.model, prompt, self.tokenizer)
+        for rt in runtimes:
+            if rt is not src:
+                rt.adopt(src)
+        return start
 
 
 class _Stopped(Exception):

@@ -325,7 +325,7 @@ def _layer(l: int, st: SimStep, step: int, t: float, io: _SimIO, cache: ExpertCa
     protect = set(keys)
     j = acquire(cache, io, keys, 0, protect, step, t)
     # prediction and prefetch
-    if predicting and l + 1 < n_layers:
+    if predicting and l + 1 < n_layers and len(rows) == 1:  # decoding steps only, as the runtime
         t += compute.pred_s[l]
         ev.t_pred = t
         s = st.scores[l] if l < len(st.scores) else None
