@@ -1152,7 +1152,45 @@ def test_adopted_state_equals_own_prefill_state(setup: dict[str, Any]) -> None:
     assert list(adopted.cache.resident.items()) == list(own.cache.resident.items())
     assert adopted.cache.free == own.cache.free and adopted.cache.peak_used == own.cache.peak_used
     assert all(torch.equal(adopted.pool.record(s), own.pool.record(s)) for s in own.cache.resident.values())
-    assert [(e.step, e.layer, e.required) for e in adopted.events] == [(e.step, e.layer, e.required) for e in own.events]
+    def routed(rt: OffloadedRuntime) -> list[tuple[int, int, list[int]]]:
+        return [(e.step, e.layer, e.required) for e in rt.events]
+
+    assert routed(adopted) == routed(own)
     assert adopted.step == own.step == 0
     for a, b in zip(adopted.provider.last, own.provider.last, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_all_resident_runs_share_one_pool_read_once(setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness reads every expert once for all its all-resident runs: each slot holds the record the cache maps
+    there, nothing is read again, and the runs decode the plain tokens; a pool of another store is refused."""
+    from specprefetch.runtime.engine import resident_pool
+
+    h = _lockstep_harness(setup)
+    store = setup["store"]
+    reads = []
+    orig = type(store).layer_records
+    monkeypatch.setattr(type(store), "layer_records", lambda self, l: reads.append(l) or orig(self, l))
+    try:
+        plain = [g.new_ids for g in h.plain_generations()]
+        reads.clear()
+        first = h.run("resident", "ram")
+        assert reads == list(range(store.n_layers))
+        again = h.run_lockstep([{"policy": "resident", "storage": "ram"}, {"policy": "off", "storage": "ram"}], "t")
+        assert reads == list(range(store.n_layers))  # no read since
+        rt = h.runtime("resident", "ram")
+        rt.reset_run()
+        assert rt.pool is h._resident and rt.shared_pool
+        for l in (0, store.n_layers - 1):
+            for e, rec in enumerate(orig(store, l)):
+                assert torch.equal(rt.pool.record(rt.cache.slot((l, e))), rec)
+        rt.close()
+        other = resident_pool(store)
+        other.capacity -= 1
+        with pytest.raises(OffloadError, match="shared all-resident pool"):
+            OffloadedRuntime(h.model, store, h.reader("ram"), RuntimeOptions(policy="resident"), spec=h.spec,
+                             resident=other)
+    finally:
+        h.close()
+    assert first.tokens() == plain and all(r.tokens() == plain for r in again)
+    assert first.stats.ready_recall == 1.0 and again[0].stats.ready_recall == 1.0

@@ -123,12 +123,27 @@ def install_offloaded(blocks: list[MoEBlock]) -> list[nn.Module]:
     return originals
 
 
+def fill_resident(pool: SlotPool, store: ExpertStore) -> SlotPool:
+    """Every expert record of ``store`` into ``pool``, expert ``e`` of layer ``l`` in slot ``l * n_experts + e`` (the
+    slots an all-resident cache assigns, :meth:`ExpertCache.preload` in that order); one read per layer file."""
+    for l in range(store.n_layers):
+        for e, rec in enumerate(store.layer_records(l)):
+            pool.record(l * store.n_experts + e).copy_(rec)
+    return pool
+
+
+def resident_pool(store: ExpertStore, device: str | torch.device = "cpu") -> SlotPool:
+    """A pool holding every expert of ``store`` (:func:`fill_resident`), read once and shared by all-resident
+    runtimes (``resident=``): they never evict or write a slot, so one copy serves every run."""
+    return fill_resident(SlotPool(store.total_experts, store.layout, torch.device(device)), store)
+
+
 class OffloadedRuntime:
     """Batch-1 offloaded decoding of a transformers MoE model (see the module docstring)."""
 
     def __init__(self, model: nn.Module, store: ExpertStore, reader: ExpertReader, options: RuntimeOptions,
                  provider: PriorityProvider | None = None, spec: Any | None = None,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", resident: SlotPool | None = None) -> None:
         from specprefetch.models.routing import discover_routing
 
         self.model = model
@@ -156,7 +171,11 @@ class OffloadedRuntime:
             raise OffloadError(f"policy {options.policy!r} needs a priority provider (a predictor)")
         self.provider = provider if self.policy.predicts else None
         self.cache = ExpertCache(cap)
-        self.pool = SlotPool(cap, store.layout, self.device)
+        # every expert resident: a shared pool already holding every record (:func:`resident_pool`) spares the read
+        self.shared_pool = self.preload and resident is not None
+        if self.shared_pool and (resident.capacity != cap or resident.layout != store.layout):
+            raise OffloadError("the shared all-resident pool is not this store's (capacity or record layout differ)")
+        self.pool = resident if self.shared_pool else SlotPool(cap, store.layout, self.device)
         self.layout = store.layout
         self.engine = TransferEngine(reader, self.cache, self.pool, options.io_workers, options.io_retries)
         self.originals: list[nn.Module | None] = []
@@ -255,12 +274,9 @@ class OffloadedRuntime:
                 self.provider.observe(l, idx, w)
 
     def _preload_all(self) -> None:
-        keys = [(l, e) for l in range(self.n_layers) for e in range(self.n_experts)]
-        self.cache.preload(keys)
-        for l in range(self.n_layers):  # one read per layer file
-            records = self.store.layer_records(l)
-            for e in range(self.n_experts):
-                self.pool.record(self.cache.slot((l, e))).copy_(records[e])
+        self.cache.preload((l, e) for l in range(self.n_layers) for e in range(self.n_experts))  # slot l * n + e
+        if not self.shared_pool:
+            fill_resident(self.pool, self.store)
 
     def stats(self, decode_only: bool = True) -> RunStats:
         st = summarize(self.events, self.top_k, decode_only)
