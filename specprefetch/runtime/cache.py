@@ -156,7 +156,7 @@ class ExpertCache:
     def copy_from(self, src: ExpertCache) -> None:
         """Take ``src``'s content: resident experts, their slots and LRU order (nothing may be in flight or pinned)."""
         with self.lock, src.lock:
-            if src.capacity != self.capacity or src.inflight or +src.pins:
+            if src.capacity != self.capacity or src.inflight or src.pins:
                 raise CacheError("a cache can only copy an idle cache of the same capacity")
             self.reset()
             self.resident = OrderedDict(src.resident)
@@ -166,7 +166,8 @@ class ExpertCache:
             self.peak_used, self.evictions = src.peak_used, src.evictions
 
     def preload(self, keys: Iterable[Key]) -> None:
-        """Mark experts resident without a transfer (the all-resident upper bound fills the pool itself)."""
+        """Mark experts resident without a transfer (the all-resident upper bound fills the pool itself); into an
+        empty cache the ``i``-th key goes to slot ``i``."""
         with self.lock:
             for key in keys:
                 slot = self.reserve(key, evict=False)

@@ -123,12 +123,19 @@ def install_offloaded(blocks: list[MoEBlock]) -> list[nn.Module]:
     return originals
 
 
+def resident_keys(store: ExpertStore) -> list[Key]:
+    """Every expert of ``store``, layer by layer: the order in which an all-resident cache is preloaded, so the
+    ``i``-th key is in slot ``i`` (:meth:`ExpertCache.preload`) and :func:`fill_resident` puts its bytes there."""
+    return [(l, e) for l in range(store.n_layers) for e in range(store.n_experts)]
+
+
 def fill_resident(pool: SlotPool, store: ExpertStore) -> SlotPool:
-    """Every expert record of ``store`` into ``pool``, expert ``e`` of layer ``l`` in slot ``l * n_experts + e`` (the
-    slots an all-resident cache assigns, :meth:`ExpertCache.preload` in that order); one read per layer file."""
+    """Every expert record of ``store`` into ``pool``, the ``i``-th of :func:`resident_keys` in slot ``i``; one read
+    per layer file."""
+    slot = {key: i for i, key in enumerate(resident_keys(store))}
     for l in range(store.n_layers):
         for e, rec in enumerate(store.layer_records(l)):
-            pool.record(l * store.n_experts + e).copy_(rec)
+            pool.record(slot[(l, e)]).copy_(rec)
     return pool
 
 
@@ -274,7 +281,7 @@ class OffloadedRuntime:
                 self.provider.observe(l, idx, w)
 
     def _preload_all(self) -> None:
-        self.cache.preload((l, e) for l in range(self.n_layers) for e in range(self.n_experts))  # slot l * n + e
+        self.cache.preload(resident_keys(self.store))
         if not self.shared_pool:
             fill_resident(self.pool, self.store)
 

@@ -254,7 +254,6 @@ class Harness:
             out.append(own_time(res, lane.pauses))
         return out
 
-
     def _shared_prefill(self, runtimes: list[OffloadedRuntime], prompt: Prompt) -> Prefilled | None:
         """``prompt``'s prefill by the first runtime without every expert resident, adopted by the others; None
         (each run prefills) where their caches differ in capacity."""
