@@ -724,3 +724,33 @@ def test_without_pdflatex_the_preview_is_skipped_with_a_clear_message(rendered: 
     assert not (work / "paper_tables.pdf").exists()
     assert targets.preview_files({}) == ["paper_tables/paper_tables.tex"]
     assert "pdflatex not found" in (targets.skipped_pdf_message({}) or "")
+
+
+def test_diff_tables_names_the_settings_that_differ(rendered: Path, tmp_path: Path) -> None:
+    """A budget the window profile chose differently (a faster host) is named in a note: which table, which setting,
+    old -> new; unchanged settings give no note, and the notes do not change the verdict."""
+    from specprefetch.render.diff import setup_notes
+
+    new = tmp_path / "new"
+    shutil.copytree(rendered, new)
+    path = new / "table5_matched.json"
+    doc = json.loads(path.read_text())
+    budgets = dict(doc["meta"]["m_max_per_storage"])
+    assert budgets, "table 5 records the budget of each storage"
+    slow = doc["meta"]["slow_storage"]
+    doc["meta"]["m_max_per_storage"] = {**budgets, slow: budgets[slow] + 1}
+    doc["meta"]["repeats"] = int(doc["meta"]["repeats"]) + 2
+    path.write_text(json.dumps(doc))
+    rc, out = _run_cli("diff-tables", str(rendered), str(new))
+    assert rc == 0, out
+    notes = [line for line in out.splitlines() if line.startswith("note:")]
+    n = doc["meta"]["repeats"]
+    assert notes == [
+        f"note: table5_matched: repeats {n - 2} in OLD, {n} in NEW: its cells were measured under other settings",
+        f"note: table5_matched: m_max_per_storage differs ({slow} {budgets[slow]} -> {budgets[slow] + 1}): its cells "
+        "were measured under other settings"], out
+    fig5 = json.loads((rendered / "figures" / "fig5_storage.json").read_text())["meta"]
+    assert set(fig5["m_max_per_storage"]) >= {"nvme_cold", slow}
+    assert setup_notes("t", {"m_max": 3, "x": 1}, {"m_max": 3, "x": 2}) == []
+    assert setup_notes("t", {"m_max_per_storage": {"a": 1}}, {"m_max_per_storage": {"a": 1, "b": 2}}) == [
+        "t: m_max_per_storage differs (b - -> 2): its cells were measured under other settings"]

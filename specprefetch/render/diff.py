@@ -17,6 +17,11 @@ fraction of the old value; a cell passes if it is within either. ``ignore: true`
 (and a cell of that quantity appearing, disappearing or becoming a dash).
 Quantities without a tolerance must match exactly.
 
+A ``note:`` line names every measurement setting in a table's meta that differs between the two renderings
+(:data:`SETUP_KEYS`: platform, model, repeats, the budgets the window profile chose): on a faster or slower host the
+profiled ``M_max`` changes, and the cells that depend on it then measure something else. The notes explain such
+failures; they do not excuse them.
+
 Accepting an intended change (a fix that moves numbers, a new table): regenerate the committed renderings
 (``snakemake --cores all paper_tables``, which rewrites ``paper_tables/``), run
 ``specprefetch diff-tables <old copy or git worktree of paper_tables> paper_tables --config config/config.yaml`` to
@@ -199,6 +204,29 @@ def _finite(v: float | None) -> bool:
     return v is not None and math.isfinite(v)
 
 
+# what a table's numbers were measured under (its meta): when these differ, its cells measure something else
+SETUP_KEYS = ("platform", "model", "repeats", "m_max", "profiled_m_max", "m_max_per_storage")
+
+
+def setup_notes(name: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """One line per measurement setting (:data:`SETUP_KEYS`) that differs between two renderings of a table, e.g. a
+    budget the window profile chose differently on a faster host: the cells that depend on it measured something
+    else, which a failure past tolerance then reflects."""
+    out = []
+    for key in SETUP_KEYS:
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            moved = ", ".join(f"{k} {a.get(k, '-')} -> {b.get(k, '-')}" for k in sorted(set(a) | set(b), key=str)
+                              if a.get(k) != b.get(k))
+            out.append(f"{name}: {key} differs ({moved}): its cells were measured under other settings")
+        else:
+            out.append(f"{name}: {key} {a if a is not None else '-'} in OLD, {b if b is not None else '-'} in NEW: "
+                       "its cells were measured under other settings")
+    return out
+
+
 def diff_docs(old: Mapping[str, TableDoc], new: Mapping[str, TableDoc], tol: Tolerances, old_name: str = "OLD",
               new_name: str = "NEW") -> DiffReport:
     rep = DiffReport(old_name, new_name)
@@ -208,6 +236,7 @@ def diff_docs(old: Mapping[str, TableDoc], new: Mapping[str, TableDoc], tol: Tol
         o, n = old[name], new[name]
         if o.profile != n.profile:
             rep.notes.append(f"{name}: profile {o.profile!r} in OLD, {n.profile!r} in NEW")
+        rep.notes += setup_notes(name, o.meta, n.meta)
         oc, nc = o.by_id(), n.by_id()
         rep.tables[name] = len(set(oc) | set(nc))
         for cid in list(oc) + [c for c in nc if c not in oc]:

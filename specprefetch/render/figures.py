@@ -373,9 +373,11 @@ def figure_storage(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str 
         else:
             ax.legend(title=None, frameon=False, loc="upper right", ncol=2)
         fig.tight_layout()
+    spec = g[g["policy"] == "specprefetch"]
+    budgets = {s: int(spec.loc[spec["storage"] == s, "m_max"].iloc[0]) for s in storages}
     doc = TableDoc("fig5_storage", "Figure 5: storage sensitivity", cfg["profile"], cells,
                    meta={"platform": sel.platform, "model": sel.model, "bound": has_bound, "ci": CI_META,
-                         "note": _ci_note(cfg, g)})
+                         "m_max_per_storage": budgets, "note": _ci_note(cfg, g)})
     return FigureResult(fig, doc)
 
 
