@@ -37,31 +37,37 @@ def _share(tps: float, bound: float) -> str:
 
 
 def policy_table(runs: pd.DataFrame, path: Path) -> str:
-    """Per (model, experiment, storage): each policy's mean tok/s, gain [CI], ReadyRecall, bounds and shares."""
+    """Per (model, experiment, storage): each configuration's mean tok/s, gain [CI] (vs the OFF of its block, with
+    the same ``compute_opt``), ReadyRecall, demand loads per run, bounds and shares."""
     g = paired_gains(runs, path)
     out = []
     for (model, exp, storage), sub in g.groupby(["model", "experiment", "storage"], sort=False):
-        if exp not in ("main", "storage", "matched", "budget"):
+        if exp not in ("main", "storage", "matched", "budget", "sweep", "component"):
             continue
         if "measured_in" in sub and (sub["measured_in"] != exp).all():
             out.append(f"\n**{model}, {exp}, {storage}**: the runs of `{sub['measured_in'].iloc[0]}` (above)")
             continue
         out.append(f"\n**{model}, {exp}, {storage}** ({sub['repeat'].nunique()} repeats, "
                    f"{int(sub['n_tokens'].iloc[0])} decoded tokens per run)\n")
-        out.append("| policy | M_max | tok/s | gain vs OFF % [95 % CI] | ReadyRecall | bound tok/s (share) | "
-                   "bound, own compute (share) |")
-        out.append("|---|---:|---:|---:|---:|---:|---:|")
-        keys = ["policy", "m_max"] + (["layer_m_max"] if "layer_m_max" in sub else [])
+        out.append("| policy | M_max | tok/s | gain vs OFF % [95 % CI] | ReadyRecall | demand loads | "
+                   "bound tok/s (share) | bound, own compute (share) |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+        keys = ["policy", "m_max", "compute_opt"] + (["layer_m_max"] if "layer_m_max" in sub else [])
         order = {p: i for i, p in enumerate(POLICIES)}
         for key, r in sorted(sub.groupby(keys, sort=False, dropna=False), key=lambda kv: order.get(kv[0][0], 99)):
-            pol, m = key[0], key[1]
-            lm = key[2] if len(key) > 2 and isinstance(key[2], str) and key[2] else ""
+            pol, m, opt = key[0], key[1], key[2]
+            lm = key[3] if len(key) > 3 and isinstance(key[3], str) and key[3] else ""
+            if exp == "component":
+                lm = f"compute_opt {'on' if opt in (True, 'True', 1) else 'off'}"
             tps = r["tokens_per_s"].mean()
             b = r.get("bound_tokens_per_s", pd.Series(dtype=float)).mean()
             bo = r.get("bound_own_tokens_per_s", pd.Series(dtype=float)).mean()
             gain = "–" if pol == "off" else _ci(r["gain_pct"])
-            out.append(f"| {pol} | {m}{' (per layer ' + lm + ')' if lm else ''} | {tps:.2f} | {gain} | "
-                       f"{r['ready_recall'].mean():.1%} | {_share(tps, b)} | {_share(tps, bo)} |")
+            if lm and exp != "component":
+                lm = f"per layer {lm}"
+            out.append(f"| {pol} | {m}{' (' + lm + ')' if lm else ''} | {tps:.2f} | {gain} | "
+                       f"{r['ready_recall'].mean():.1%} | {r['demand_loads'].mean():.0f} | {_share(tps, b)} | "
+                       f"{_share(tps, bo)} |")
     return "\n".join(out)
 
 

@@ -900,6 +900,12 @@ def test_device_summary_script_reads_the_committed_runs(tmp_path: Path) -> None:
     rows = {line.split("|")[1].strip(): line for line in main.splitlines() if line.startswith("| ")}
     assert {"off", "specprefetch", "fate", "naive", "pred0", "resident"} <= set(rows)
     assert "[" in rows["specprefetch"] and "%" in rows["specprefetch"]
+    assert int(rows["off"].split("|")[6]) > int(rows["specprefetch"].split("|")[6]) > 0  # demand loads per run
+    sweep = out.split("**tiny-deepseek-vl2, sweep, nvme_cold**")[1].split("\n\n")[1]
+    budgets = [line.split("|")[2].strip() for line in sweep.splitlines() if line.startswith("| specprefetch")]
+    assert len(budgets) >= 5 and "16" in budgets  # every swept budget is a row
+    comp = out.split("**tiny-deepseek-vl2, component, nvme_cold**")[1].split("\n\n")[1]
+    assert sum("compute_opt on" in line or "compute_opt off" in line for line in comp.splitlines()) == 4
     spread = out.split("Run-to-run spread")[1]
     needs = [int(line.rstrip(" |").rsplit("|", 1)[1]) for line in spread.splitlines()
              if line.startswith("| tiny-")]
