@@ -55,17 +55,15 @@ def policy_table(runs: pd.DataFrame, path: Path) -> str:
         keys = ["policy", "m_max", "compute_opt"] + (["layer_m_max"] if "layer_m_max" in sub else [])
         order = {p: i for i, p in enumerate(POLICIES)}
         for key, r in sorted(sub.groupby(keys, sort=False, dropna=False), key=lambda kv: order.get(kv[0][0], 99)):
-            pol, m, opt = key[0], key[1], key[2]
-            lm = key[3] if len(key) > 3 and isinstance(key[3], str) and key[3] else ""
-            if exp == "component":
-                lm = f"compute_opt {'on' if opt in (True, 'True', 1) else 'off'}"
+            pol, m, opt = key[:3]
+            layers = key[3] if len(key) > 3 and isinstance(key[3], str) else ""
+            label = (f" (compute_opt {'on' if opt in (True, 'True', 1) else 'off'})" if exp == "component"
+                     else f" (per layer {layers})" if layers else "")
             tps = r["tokens_per_s"].mean()
             b = r.get("bound_tokens_per_s", pd.Series(dtype=float)).mean()
             bo = r.get("bound_own_tokens_per_s", pd.Series(dtype=float)).mean()
             gain = "–" if pol == "off" else _ci(r["gain_pct"])
-            if lm and exp != "component":
-                lm = f"per layer {lm}"
-            out.append(f"| {pol} | {m}{' (' + lm + ')' if lm else ''} | {tps:.2f} | {gain} | "
+            out.append(f"| {pol} | {m}{label} | {tps:.2f} | {gain} | "
                        f"{r['ready_recall'].mean():.1%} | {r['demand_loads'].mean():.0f} | {_share(tps, b)} | "
                        f"{_share(tps, bo)} |")
     return "\n".join(out)
