@@ -220,10 +220,10 @@ def setup_notes(name: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> li
         if isinstance(a, Mapping) and isinstance(b, Mapping):
             moved = ", ".join(f"{k} {a.get(k, '-')} -> {b.get(k, '-')}" for k in sorted(set(a) | set(b), key=str)
                               if a.get(k) != b.get(k))
-            out.append(f"{name}: {key} differs ({moved}): its cells were measured under other settings")
+            what = f"{key} differs ({moved})"
         else:
-            out.append(f"{name}: {key} {a if a is not None else '-'} in OLD, {b if b is not None else '-'} in NEW: "
-                       "its cells were measured under other settings")
+            what = f"{key} {a if a is not None else '-'} in OLD, {b if b is not None else '-'} in NEW"
+        out.append(f"{name}: {what}: its cells were measured under other settings")
     return out
 
 

@@ -56,7 +56,7 @@ from specprefetch.render.style import (  # noqa: E402
     paper_rc,
     storage_label,
 )
-from specprefetch.render.tables import model_budgets  # noqa: E402
+from specprefetch.render.tables import _unique_m_max, model_budgets  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +374,8 @@ def figure_storage(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str 
             ax.legend(title=None, frameon=False, loc="upper right", ncol=2)
         fig.tight_layout()
     spec = g[g["policy"] == "specprefetch"]
-    budgets = {s: int(spec.loc[spec["storage"] == s, "m_max"].iloc[0]) for s in storages}
+    budgets = {s: _unique_m_max(spec[spec["storage"] == s], path, f"Figure 5, SpecPrefetch on {s!r}")
+               for s in storages}
     doc = TableDoc("fig5_storage", "Figure 5: storage sensitivity", cfg["profile"], cells,
                    meta={"platform": sel.platform, "model": sel.model, "bound": has_bound, "ci": CI_META,
                          "m_max_per_storage": budgets, "note": _ci_note(cfg, g)})
