@@ -68,6 +68,9 @@ def device_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         if mc.get("hidden_size") and int(mc["hidden_size"]) > sc["hidden_size"]:
             raise ConfigError(f"invalid config key 'device.paper_scale.{m}.hidden_size': {sc['hidden_size']} is "
                               f"narrower than the model's hidden_size {mc['hidden_size']}")
+    if d["max_repeats"] is not None and d["max_repeats"] < d["repeats"]:
+        raise ConfigError(f"invalid config key 'device.max_repeats': {d['max_repeats']} is fewer than "
+                          f"device.repeats ({d['repeats']}), the repeats every block measures")
     sim = d["simulator"]
     for w in sim["workloads"] or []:
         if w not in cfg["workloads"]:

@@ -25,6 +25,20 @@ def test_profiles_are_valid(profile: str) -> None:
     assert cfg["models"] and cfg["workloads"]
 
 
+def test_precise_overlay_extends_the_default() -> None:
+    """config/precise.yaml is an overlay: merged over the embedded default the way Snakemake merges several
+    --configfile files (key by key), it validates and turns on adaptive repeats; alone it is no profile."""
+    def merge(base: dict, over: dict) -> dict:
+        return {**base, **{k: merge(base.get(k, {}), v) if isinstance(v, dict) else v for k, v in over.items()}}
+
+    cfg = merge(yaml.safe_load((ROOT / "config/config.yaml").read_text()),
+                yaml.safe_load((ROOT / "config/precise.yaml").read_text()))
+    d = validate_config(cfg, ROOT)["device"]
+    assert d["max_repeats"] > d["repeats"] and d["target_ci_pp"] == 2.0 and d["experiments"]
+    with pytest.raises(ConfigError):
+        load_config(ROOT / "config/precise.yaml")
+
+
 def test_paper_budgets_are_the_papers() -> None:
     cfg = load_config(ROOT / "config/paper.yaml")
     assert budgets_for(cfg, "qwen3-vl-30b-a3b") == [4, 8, 10]
@@ -78,6 +92,8 @@ BAD = [
     ("predictors.training.deepspeed_config", "config/missing.json", "predictors.training.deepspeed_config"),
     ("predictors.draft_model.num_heads", 3, "predictors.draft_model.num_heads"),
     ("workloads.gsm8k.generator", "local", "workloads.gsm8k.path"),
+    ("device.max_repeats", 2, "device.max_repeats"),
+    ("device.target_ci_pp", 0, "device.target_ci_pp"),
 ]
 
 

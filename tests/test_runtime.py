@@ -564,6 +564,56 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     assert off["misses"]["rel_error"] == 0 and off["hits"]["rel_error"] == 0
 
 
+def test_widest_gain_ci_is_the_tables_ci_of_every_policy_gain_in_the_block() -> None:
+    """The adaptive-repeats criterion: the widest paired-bootstrap half-width over every configuration but
+    all-resident against every OFF of the block, with the pair it belongs to."""
+    from specprefetch.render.data import bootstrap_ci
+    from specprefetch.runtime.bench import RunConfig, widest_gain_ci
+
+    off, spec, fate, res = (RunConfig("main", p, "nvme_cold", 4) for p in ("off", "specprefetch", "fate", "resident"))
+    tps = {off.signature: [10.0, 11.0, 9.0, 10.0], spec.signature: [13.0, 15.0, 11.0, 14.0],
+           fate.signature: [13.0, 14.3, 11.7, 13.0], res.signature: [30.0, 45.0, 20.0, 33.0]}
+    width, what = widest_gain_ci([off, spec, fate, res], tps)
+    gains = [(v / b - 1) * 100 for v, b in zip(tps[spec.signature], tps[off.signature])]
+    assert width == pytest.approx(bootstrap_ci(gains).half_width) and width > 1.0
+    assert what == "specprefetch M=4 vs off"  # FATE's gain is a constant +30 %: half-width 0; resident is skipped
+    assert widest_gain_ci([spec, fate], tps) == (0.0, "")  # no OFF in the block: no gain to measure
+    cold = RunConfig("component", "off", "nvme_cold", 0, compute_opt=False)  # Figure 6's reference is an OFF too
+    tps[cold.signature] = [9.0, 9.0, 9.0, 9.0]
+    assert widest_gain_ci([cold, fate], tps)[1] == "fate M=4 vs off (no compute opt)"
+
+
+@pytest.mark.parametrize(("target", "measured"), [(1e-9, 3), (1e9, 2)])
+def test_adaptive_repeats_go_on_until_the_gains_are_precise(tmp_path: Path, target: float, measured: int) -> None:
+    """With ``max_repeats`` a block measures ``repeats`` repeats, then one more at a time while some gain's CI is
+    wider than ``target_ci_pp``, up to ``max_repeats``; every configuration keeps its pairs."""
+    from specprefetch.config import section_defaults
+    from specprefetch.models.routing import discover_routing
+    from specprefetch.runtime.bench import bench_runtime
+    from specprefetch.runtime.decode import Prompt
+    from specprefetch.runtime.priority import provider_factories
+    from specprefetch.runtime.session import Harness
+
+    model = tiny_deepseek()
+    spec = discover_routing(model)
+    store = ExpertStore(build_expert_store(model, tmp_path / "store", spec))
+    s = section_defaults("device", {"n_prompts": 1, "max_new_tokens": 3, "repeats": 2, "max_repeats": 3,
+                                 "target_ci_pp": target, "io_workers": 2, "storages": ["nvme_cold"],
+                                 "experiments": ["main"], "main_policies": ["off", "pred0", "resident"], "m_max": 2,
+                                 "cache": {"capacity_experts": 8}})
+    prompts = [Prompt("p0", {"input_ids": torch.randint(0, VOCAB, (1, 6)), "attention_mask": torch.ones(1, 6).long()})]
+    providers = provider_factories({}, spec, "cpu")
+    providers["specprefetch"] = lambda: PredictorPriority(random_adapter(spec))
+    h = Harness(model, spec, store, s, prompts, providers)
+    prof = {"m_max": 2, "m_max_per_storage": {"nvme_cold": 2}}
+    try:
+        rows = bench_runtime(h, prof, "tiny", "test-cpu", tmp_path / "runs.csv")
+    finally:
+        h.close()
+    assert sorted((r["policy"], r["repeat"]) for r in rows) == sorted(
+        (p, r) for p in ("off", "pred0", "resident") for r in range(measured))
+
+
 def test_blocks_measure_each_configuration_once_per_block() -> None:
     """Without a size limit a storage is one block that measures every distinct configuration its experiments run
     once, as the first experiment that lists it; with ``max_block_runs`` whole experiments are packed into blocks of

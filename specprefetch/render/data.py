@@ -212,10 +212,23 @@ def repeat_stats(values: pd.Series, repeats: pd.Series | None = None) -> RepeatS
     return RepeatStats(mean, std, ci.lo, ci.hi, ci.n, (float(vals.min()), float(vals.max())), by_rep)
 
 
+CONFIG_KEYS = ("experiment", "storage", "policy", "m_max", "compute_opt", "layer_m_max")  # one configuration
+
+
+def repeat_count(rows: pd.DataFrame) -> int | str:
+    """How many repeats each configuration of ``rows`` has: one count, or "lo–hi" when they differ (adaptive
+    repeats, ``device.max_repeats``, stop each block on its own)."""
+    keys = [k for k in CONFIG_KEYS if k in rows.columns]
+    counts = rows.groupby(keys, dropna=False)["repeat"].nunique() if keys else pd.Series([rows["repeat"].nunique()])
+    lo, hi = int(counts.min()), int(counts.max())
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
 def repeats_note(rows: pd.DataFrame) -> str:
     """ "mean ± 95 % CI half-width, paired bootstrap over R repeats, N decoded tokens per run" from the rows shown
-    (``repeat`` and, when runs.csv has it, ``n_tokens``: one N, or its range when runs decoded different counts)."""
-    n_rep = int(rows["repeat"].nunique())
+    (``repeat`` and, when runs.csv has it, ``n_tokens``: one N, or its range when runs decoded different counts;
+    R is a range when configurations were repeated a different number of times)."""
+    n_rep = repeat_count(rows)
     text = f"mean ± {CI_LEVEL * 100:g} % CI half-width, paired bootstrap over {n_rep} repeat{'s' * (n_rep != 1)}"
     if "n_tokens" in rows.columns:
         toks = pd.to_numeric(rows["n_tokens"], errors="coerce").dropna()

@@ -41,6 +41,7 @@ from specprefetch.render.data import (
     experiment_rows,
     paired_gains,
     read_result_csv,
+    repeat_count,
     repeat_stats,
     repeats_note,
     require_inputs,
@@ -426,8 +427,8 @@ def build_table4(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
         if policy == TABLE4_REFERENCE:
             name += " (reference)"
         (ref_rows if policy == TABLE4_REFERENCE else rows).append({"label": name, "cells": tex})
-    n_rep = int(off["repeat"].nunique())
     shown = g[g["policy"].isin(policies)]
+    n_rep = repeat_count(shown)
     headers = [("Throughput", "(tok/s)"), ("Gain vs.\\ OFF", "(\\%)")]
     if has_bound:
         headers += [("Bound", "(tok/s)"), ("Of bound", "(\\%)")]
@@ -496,8 +497,8 @@ def build_table5(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
                                     {"policy": POLICY_LABELS[p], "column": col, "storage": storage}, dec, sign=sign))
             texts[p].append(bold(_tex_stat(s, dec, sign=sign), on))
     rows = [{"label": POLICY_LATEX[p], "cells": texts[p]} for p in policies]
-    n_rep = int(g["repeat"].nunique())
     shown = g[g["policy"].isin(policies)]
+    n_rep = repeat_count(shown)
     headers = [("Cold NVMe" if cold == "nvme_cold" else storage_label(cold), "Gain (\\%)"),
                (f"{storage_label(slow)}", "Gain (\\%)"), ("ReadyRecall", "(\\%)")]
     caption = (f"Matched-budget comparison of expert prediction strategies with {m_text}: throughput "

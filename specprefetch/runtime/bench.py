@@ -72,6 +72,13 @@ class RunConfig:
         return f"{self.experiment}|{self.policy}|{self.storage}|{self.m_max}|{int(self.compute_opt)}{per}"
 
     @property
+    def label(self) -> str:
+        """Short and human: ``specprefetch M=4``, ``off (no compute opt)``, ``specprefetch M=7 per layer 6/6/7``."""
+        per = f" per layer {layer_budgets_label(self.layers)}" if self.layers else ""
+        return (self.policy + (f" M={self.budget}" if self.budget else "") + per
+                + ("" if self.compute_opt else " (no compute opt)"))
+
+    @property
     def budget(self) -> int:
         """The M_max the runtime uses (OFF and all-resident prefetch nothing)."""
         return self.m_max if POLICY[self.policy].budgeted else 0
@@ -309,6 +316,27 @@ def run_timing(res: RunResult, n_layers: int) -> dict[str, Any]:
             "service_ms": busy_s(transfers) / n * 1e3 if n else float("nan")}
 
 
+def widest_gain_ci(configs: Iterable[RunConfig], tps: dict[Signature, list[float]]) -> tuple[float, str]:
+    """The widest 95 % CI half-width (percent points; ``render.data.bootstrap_ci``, the tables' paired bootstrap
+    over repeats) of the gains one block has measured so far, and which gain it is: every configuration but
+    all-resident (a reference, not a policy's gain) against every OFF of the block, ``tps`` holding each
+    configuration's tokens/s per repeat. ``(0.0, "")`` when there is no such pair."""
+    from specprefetch.render.data import bootstrap_ci
+
+    configs = list(configs)
+    widest, what = 0.0, ""
+    for ref in (c for c in configs if c.policy == "off"):
+        base = tps[ref.signature]
+        for c in configs:
+            if c.signature == ref.signature or c.policy == "resident":
+                continue
+            gains = [(v / b - 1.0) * 100.0 for v, b in zip(tps[c.signature], base, strict=True)]
+            width = bootstrap_ci(gains).half_width
+            if width > widest:
+                widest, what = width, f"{c.label} vs {ref.label}"
+    return widest, what
+
+
 def block_order(configs: list[RunConfig], seed: int, block: str, repeat: int) -> list[RunConfig]:
     """The configurations of one (block, repeat) in a random order, seeded by (seed, block, repeat): reproducible,
     different in every block, and the same in a rerun."""
@@ -343,7 +371,12 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     blocks = storage_blocks(plan, settings["max_block_runs"])
     block_of = {(exp, b.storage): b.name for b in blocks for exp in b.experiments}
     repeats = int(settings["repeats"])
+    max_repeats = int(settings["max_repeats"] or repeats)
+    target = float(settings["target_ci_pp"])
     n_runs = sum(len(b.configs) for b in blocks) * repeats
+    if max_repeats > repeats:
+        log.info("adaptive repeats: %d to %d per block, until every gain's 95 %% CI is within +-%g pp", repeats,
+                 max_repeats, target)
     log.info("%d runs in %d blocks per repeat (%s) for %s", n_runs, len(blocks),
              ", ".join(f"{b.name}: {len(b.configs)}" for b in blocks),
              ", ".join(f"{k} ({len(v)} configs)" for k, v in plan.items()))
@@ -359,8 +392,11 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     timings_of: dict[tuple[str, int, Signature], dict[str, Any]] = {}
     done = 0
     lockstep = settings["interleave"] == "token"
+    n_repeats: dict[str, int] = {}  # per block
     for b in blocks:
-        for r in range(repeats):
+        tps: dict[Signature, list[float]] = {c.signature: [] for c in b.configs}
+        r = 0
+        while r < max_repeats:
             order = block_order(list(b.configs), seed, b.name, r)
             results = measure_block(harness, dict(enumerate(order)), lockstep, f"{seed}/{b.name}/{r}")
             for pos, cfg in enumerate(order):
@@ -380,9 +416,20 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
                                         "timings": [], "tokens": torch.tensor(res.tokens(), dtype=torch.int64)}
                 routing[cfg.key]["repeats"].append(row)
                 routing[cfg.key]["timings"].append(timing)
+                tps[cfg.signature].append(res.tokens_per_s)
                 log.info("[%d/%d] %s r%d: %.2f tok/s", done, n_runs, cfg.key, r, res.tokens_per_s)
+            r += 1
+            if repeats <= r < max_repeats:
+                width, what = widest_gain_ci(b.configs, tps)
+                if width <= target:
+                    log.info("block %s: every gain within +-%.2f pp after %d repeats", b.name, width, r)
+                    break
+                n_runs += len(b.configs)
+                log.info("block %s: +-%.2f pp (%s) after %d repeats: one more", b.name, width, what, r)
+        n_repeats[b.name] = r
     rows = [{**measured[(block_of[(exp, c.storage)], r, c.signature)], "experiment": exp}
-            for exp, configs in plan.items() for r in range(repeats) for c in configs]
+            for exp, configs in plan.items() for r in range(max(n_repeats.values(), default=0)) for c in configs
+            if r < n_repeats[block_of[(exp, c.storage)]]]
     set_bounds(rows, events_of, profile, harness.store.n_layers, timings_of)
     write_runs_csv(out_csv, rows)
     if routing_out is not None:
