@@ -70,14 +70,15 @@ def policy_table(runs: pd.DataFrame, path: Path) -> str:
 
 
 def spread(runs: pd.DataFrame, path: Path) -> str:
-    """Per-repeat gains of SpecPrefetch (main, reference storage), their std and the repeats for ±2 pp."""
+    """Every policy gain vs OFF (same compute_opt; all-resident, a reference, left out): the repeats measured, the
+    per-repeat gains (their range beyond 8 repeats), their std, the CI half-width and the repeats for ±2 pp."""
     g = paired_gains(runs, path)
     out = ["\n**Run-to-run spread** (per-repeat gains vs OFF, percent points)\n",
-           "| model | experiment | storage | policy | per repeat | std | CI half-width | repeats for ±2 pp |",
-           "|---|---|---|---|---|---:|---:|---:|"]
-    sel = g[g["policy"].isin(["specprefetch", "fate", "pred0", "naive"]) & g["experiment"].isin(["main", "storage",
-                                                                                                "matched"])]
-    for (model, exp, st, pol), r in sel.groupby(["model", "experiment", "storage", "policy"], sort=False):
+           "| model | experiment | storage | configuration | repeats | per repeat | std | CI half-width | "
+           "repeats for ±2 pp |", "|---|---|---|---|---:|---|---:|---:|---:|"]
+    sel = g[~g["policy"].isin(["off", "resident"])]
+    keys = ["model", "experiment", "storage", "policy", "m_max", "compute_opt", "layer_m_max"]
+    for (model, exp, st, pol, m, opt, per), r in sel.groupby([k for k in keys if k in sel], sort=False, dropna=False):
         if r["measured_in"].iloc[0] != exp:
             continue  # a group reused from an earlier experiment: listed there
         vals = r.sort_values("repeat")["gain_pct"].to_numpy()
@@ -85,7 +86,11 @@ def spread(runs: pd.DataFrame, path: Path) -> str:
         sd = float(np.std(vals, ddof=1)) if len(vals) > 1 else float("nan")
         # the half-width shrinks as 1/sqrt(n): n such that hw * sqrt(R / n) <= 2
         need = math.ceil(len(vals) * (ci.half_width / 2.0) ** 2) if ci.half_width > 0 else len(vals)
-        out.append(f"| {model} | {exp} | {st} | {pol} | {', '.join(f'{v:+.1f}' for v in vals)} | {sd:.1f} | "
+        shown = (", ".join(f"{v:+.1f}" for v in vals) if len(vals) <= 8
+                 else f"{vals.min():+.1f} … {vals.max():+.1f}")
+        config = f"{pol} M={int(m)}" + (f" per layer {per}" if isinstance(per, str) and per else "")
+        config += "" if str(opt).lower() == "true" else " (no compute opt)"
+        out.append(f"| {model} | {exp} | {st} | {config} | {len(vals)} | {shown} | {sd:.1f} | "
                    f"{ci.half_width:.1f} | {max(need, len(vals))} |")
     return "\n".join(out)
 
