@@ -11,11 +11,16 @@ Top-M uses a stable descending sort (ties go to the lower expert id) so results 
 C_M is a prefix of C_{M'} for M < M'. Candidate slots a method cannot fill are -1 and never match.
 
 Pure set metrics on tensors of expert ids; the evaluation of saved predictors on traces, and the gathering of the
-per-shard CSVs, is :mod:`specprefetch.predictors.evaluate`.
+per-shard CSVs, is :mod:`specprefetch.predictors.evaluate`. Below them, the percentile-bootstrap confidence
+interval every device number carries (:func:`bootstrap_ci`: the tables' and the benchmarks' adaptive repeats').
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -76,3 +81,52 @@ def aggregate_by_sample(scores: Tensor, sample_index: Tensor) -> tuple[Tensor, T
                       dtype=torch.float64, device=scores.device)
     out.index_add_(0, groups, scores.double())
     return out, groups
+
+
+# --------------------------------------------------------------------------------------------- confidence intervals
+
+CI_LEVEL = 0.95
+CI_BOOT = 10_000
+CI_SEED = 0
+
+class CI(NamedTuple):
+    """A percentile-bootstrap confidence interval of a mean: ``(mean, lo, hi, n)``. With one value the interval is
+    (mean, mean) and not ``decidable``: no claim can be settled by it."""
+
+    mean: float
+    lo: float
+    hi: float
+    n: int
+
+    @property
+    def decidable(self) -> bool:
+        return self.n >= 2
+
+    @property
+    def half_width(self) -> float:
+        return (self.hi - self.lo) / 2.0
+
+
+def bootstrap_ci(values: Sequence[float] | np.ndarray, n_boot: int = CI_BOOT, seed: int = CI_SEED,
+                 level: float = CI_LEVEL) -> CI:
+    """Percentile bootstrap CI of the mean of ``values`` (one per repeat): the repeats are resampled with
+    replacement ``n_boot`` times (numpy ``default_rng(seed)``, so the interval is reproducible) and the interval is
+    the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the resampled means. For paired device gains the
+    values are the per-repeat gains, so resampling them resamples the (config, OFF) pairs. NaNs are an error
+    (drop them first); one value gives ``(mean, mean)``, marked not decidable."""
+    arr = np.asarray(values, dtype=float).ravel()
+    if arr.size == 0:
+        raise ValueError("bootstrap_ci of nothing")
+    if not np.isfinite(arr).all():
+        raise ValueError("bootstrap_ci: non-finite values (drop missing repeats first)")
+    if not 0.0 < level < 1.0 or n_boot < 1:
+        raise ValueError(f"bootstrap_ci: level {level} must be in (0, 1) and n_boot {n_boot} >= 1")
+    mean = float(arr.mean())
+    if arr.size == 1:
+        return CI(mean, mean, mean, 1)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, arr.size, size=(n_boot, arr.size))
+    means = arr[idx].mean(axis=1)
+    lo, hi = np.quantile(means, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    # the resampled means of a constant series are that constant up to rounding; keep lo <= mean <= hi exact
+    return CI(mean, float(min(lo, mean)), float(max(hi, mean)), int(arr.size))

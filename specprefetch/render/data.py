@@ -13,13 +13,14 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from specprefetch.contracts import check_csv, reraise_as
 from specprefetch.io import SpecPrefetchError, atomic_path
+from specprefetch.metrics import CI, CI_BOOT, CI_LEVEL, CI_SEED, bootstrap_ci  # noqa: F401  (re-exported)
 from specprefetch.render.targets import RESULT_PATHS
 
 log = logging.getLogger(__name__)
@@ -118,54 +119,8 @@ def mean_std(values: Sequence[float] | pd.Series) -> tuple[float, float, int]:
 
 # --------------------------------------------------------------------------------------------- confidence intervals
 
-CI_LEVEL = 0.95
-CI_BOOT = 10_000
-CI_SEED = 0
 CI_META = {"method": "percentile bootstrap of the mean, resampling repeats (pairs) with replacement",
            "level": CI_LEVEL, "n_boot": CI_BOOT, "seed": CI_SEED}  # what a table JSON's lo/hi are
-
-
-class CI(NamedTuple):
-    """A percentile-bootstrap confidence interval of a mean: ``(mean, lo, hi, n)``. With one value the interval is
-    (mean, mean) and not ``decidable``: no claim can be settled by it."""
-
-    mean: float
-    lo: float
-    hi: float
-    n: int
-
-    @property
-    def decidable(self) -> bool:
-        return self.n >= 2
-
-    @property
-    def half_width(self) -> float:
-        return (self.hi - self.lo) / 2.0
-
-
-def bootstrap_ci(values: Sequence[float] | pd.Series | np.ndarray, n_boot: int = CI_BOOT, seed: int = CI_SEED,
-                 level: float = CI_LEVEL) -> CI:
-    """Percentile bootstrap CI of the mean of ``values`` (one per repeat): the repeats are resampled with
-    replacement ``n_boot`` times (numpy ``default_rng(seed)``, so the interval is reproducible) and the interval is
-    the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the resampled means. For paired device gains the
-    values are the per-repeat gains, so resampling them resamples the (config, OFF) pairs. NaNs are an error
-    (drop them first); one value gives ``(mean, mean)``, marked not decidable."""
-    arr = np.asarray(values, dtype=float).ravel()
-    if arr.size == 0:
-        raise ValueError("bootstrap_ci of nothing")
-    if not np.isfinite(arr).all():
-        raise ValueError("bootstrap_ci: non-finite values (drop missing repeats first)")
-    if not 0.0 < level < 1.0 or n_boot < 1:
-        raise ValueError(f"bootstrap_ci: level {level} must be in (0, 1) and n_boot {n_boot} >= 1")
-    mean = float(arr.mean())
-    if arr.size == 1:
-        return CI(mean, mean, mean, 1)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, arr.size, size=(n_boot, arr.size))
-    means = arr[idx].mean(axis=1)
-    lo, hi = np.quantile(means, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
-    # the resampled means of a constant series are that constant up to rounding; keep lo <= mean <= hi exact
-    return CI(mean, float(min(lo, mean)), float(max(hi, mean)), int(arr.size))
 
 
 @dataclass(frozen=True)

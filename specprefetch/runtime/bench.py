@@ -19,6 +19,9 @@ token in a fresh random order every token (``device.interleave: token``, the def
 :meth:`~specprefetch.runtime.session.Harness.run_lockstep`), or one run after another in a random order (``run``).
 A storage is one block, or, with ``device.max_block_runs``, several blocks of at most that many configurations, each
 with its own OFF (on the physical disk a big lockstep block pairs worse: its runs' tokens lie further apart).
+Every block measures ``device.repeats`` repeats; with ``device.max_repeats`` it then goes on, one repeat at a time,
+until every policy gain it measures has a 95 % CI half-width within ``device.target_ci_pp`` (:func:`widest_gain_ci`)
+or it has measured ``max_repeats`` (adaptive repeats: each block stops on its own).
 An experiment's rows are its block's runs of the same repeat (column ``block``; ``measured_in`` names the block's
 first experiment that lists the configuration), so every pair (Figure 6's across compute_opt too) comes from one
 block. Gains are paired: ``tokens_per_s / tokens_per_s(off, same experiment, storage, compute_opt, repeat) - 1``.
@@ -47,6 +50,7 @@ import torch
 
 from specprefetch.contracts import POLICY, ROUTING_FORMAT, RUN_COLUMNS, save_tensor_tree
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance
+from specprefetch.metrics import bootstrap_ci
 from specprefetch.runtime.session import Harness, RunResult
 
 log = logging.getLogger(__name__)
@@ -317,12 +321,10 @@ def run_timing(res: RunResult, n_layers: int) -> dict[str, Any]:
 
 
 def widest_gain_ci(configs: Iterable[RunConfig], tps: dict[Signature, list[float]]) -> tuple[float, str]:
-    """The widest 95 % CI half-width (percent points; ``render.data.bootstrap_ci``, the tables' paired bootstrap
+    """The widest 95 % CI half-width (percent points; ``metrics.bootstrap_ci``, the tables' paired bootstrap
     over repeats) of the gains one block has measured so far, and which gain it is: every configuration but
     all-resident (a reference, not a policy's gain) against every OFF of the block, ``tps`` holding each
     configuration's tokens/s per repeat. ``(0.0, "")`` when there is no such pair."""
-    from specprefetch.render.data import bootstrap_ci
-
     configs = list(configs)
     widest, what = 0.0, ""
     for ref in (c for c in configs if c.policy == "off"):
