@@ -25,18 +25,22 @@ def test_profiles_are_valid(profile: str) -> None:
     assert cfg["models"] and cfg["workloads"]
 
 
-def test_precise_overlay_extends_the_default() -> None:
-    """config/precise.yaml is an overlay: merged over the embedded default the way Snakemake merges several
-    --configfile files (key by key), it validates and turns on adaptive repeats; alone it is no profile."""
+@pytest.mark.parametrize("overlay", sorted(p.name for p in (ROOT / "config" / "overlays").glob("*.yaml")))
+def test_overlays_extend_the_default(overlay: str) -> None:
+    """config/overlays/*.yaml are overlays: merged over the embedded default the way Snakemake merges several
+    --configfile files (key by key), each validates; alone none is a profile. precise.yaml turns on adaptive
+    repeats."""
     def merge(base: dict, over: dict) -> dict:
         return {**base, **{k: merge(base.get(k, {}), v) if isinstance(v, dict) else v for k, v in over.items()}}
 
-    cfg = merge(yaml.safe_load((ROOT / "config/config.yaml").read_text()),
-                yaml.safe_load((ROOT / "config/precise.yaml").read_text()))
-    d = validate_config(cfg, ROOT)["device"]
-    assert d["max_repeats"] > d["repeats"] and d["target_ci_pp"] == 2.0 and d["experiments"]
+    path = ROOT / "config" / "overlays" / overlay
+    cfg = validate_config(merge(yaml.safe_load((ROOT / "config/config.yaml").read_text()),
+                                yaml.safe_load(path.read_text())), ROOT)
+    if overlay == "precise.yaml":
+        d = cfg["device"]
+        assert d["max_repeats"] > d["repeats"] and d["target_ci_pp"] == 2.0 and d["experiments"]
     with pytest.raises(ConfigError):
-        load_config(ROOT / "config/precise.yaml")
+        load_config(path)
 
 
 def test_paper_budgets_are_the_papers() -> None:
