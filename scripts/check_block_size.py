@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from specprefetch.config import load_config
     from specprefetch.io import SpecPrefetchError
-    from specprefetch.render.data import bootstrap_ci
+    from specprefetch.metrics import bootstrap_ci
     from specprefetch.runtime.bench import resolve_m_max
     from specprefetch.stages.device import _harness, _setup, _window_profile
     from specprefetch.workflow import Pipeline

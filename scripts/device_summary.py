@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from specprefetch.render.data import bootstrap_ci, paired_gains
+from specprefetch.metrics import bootstrap_ci
+from specprefetch.render.data import paired_gains
+from specprefetch.runtime.bench import RunConfig, parse_layer_budgets
 
 POLICIES = ["off", "pred0", "specprefetch", "naive", "fate", "resident"]
 
@@ -88,8 +90,7 @@ def spread(runs: pd.DataFrame, path: Path) -> str:
         need = math.ceil(len(vals) * (ci.half_width / 2.0) ** 2) if ci.half_width > 0 else len(vals)
         shown = (", ".join(f"{v:+.1f}" for v in vals) if len(vals) <= 8
                  else f"{vals.min():+.1f} … {vals.max():+.1f}")
-        config = f"{pol} M={int(m)}" + (f" per layer {per}" if isinstance(per, str) and per else "")
-        config += "" if str(opt).lower() == "true" else " (no compute opt)"
+        config = RunConfig(exp, pol, st, int(m), str(opt).lower() == "true", parse_layer_budgets(per, int(m))).label
         out.append(f"| {model} | {exp} | {st} | {config} | {len(vals)} | {shown} | {sd:.1f} | "
                    f"{ci.half_width:.1f} | {max(need, len(vals))} |")
     return "\n".join(out)

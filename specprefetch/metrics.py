@@ -89,6 +89,7 @@ CI_LEVEL = 0.95
 CI_BOOT = 10_000
 CI_SEED = 0
 
+
 class CI(NamedTuple):
     """A percentile-bootstrap confidence interval of a mean: ``(mean, lo, hi, n)``. With one value the interval is
     (mean, mean) and not ``decidable``: no claim can be settled by it."""

@@ -281,7 +281,7 @@ def test_table4_paired_gains_match_hand_computation(rendered: Path, results: dic
     assert doc["OFF/gain"].value is None
     tex = (rendered / "table4_overhead.tex").read_text()
     assert r"SpecPrefetch ($M_{\max}=8$)" in tex and r"PRED$_0$" in tex
-    from specprefetch.render.data import bootstrap_ci
+    from specprefetch.metrics import bootstrap_ci
 
     ci = bootstrap_ci(off.to_numpy())  # the table prints mean ± 95 % CI half-width, the JSON keeps std, CI, spread
     assert (doc["OFF/throughput"].lo, doc["OFF/throughput"].hi) == pytest.approx((ci.lo, ci.hi))

@@ -16,9 +16,10 @@ import pandas as pd
 import pytest
 from test_render import ROOT, _run_cli, _runs_rows
 
+from specprefetch.metrics import bootstrap_ci
 from specprefetch.render.cells import Cell, TableDoc, read_table_doc
 from specprefetch.render.compare import Verdict, compare_with_paper, evaluate_claims
-from specprefetch.render.data import RenderInputError, bootstrap_ci
+from specprefetch.render.data import RenderInputError
 from specprefetch.render.reported import load_reported
 
 # ------------------------------------------------------------------------------------------------- bootstrap CI

@@ -567,7 +567,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
 def test_widest_gain_ci_is_the_tables_ci_of_every_policy_gain_in_the_block() -> None:
     """The adaptive-repeats criterion: the widest paired-bootstrap half-width over every configuration but
     all-resident against every OFF of the block, with the pair it belongs to."""
-    from specprefetch.render.data import bootstrap_ci
+    from specprefetch.metrics import bootstrap_ci
     from specprefetch.runtime.bench import RunConfig, widest_gain_ci
 
     off, spec, fate, res = (RunConfig("main", p, "nvme_cold", 4) for p in ("off", "specprefetch", "fate", "resident"))

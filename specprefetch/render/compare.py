@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from specprefetch.io import write_json_atomic, write_text_atomic
+from specprefetch.metrics import CI, CI_LEVEL, bootstrap_ci
 from specprefetch.render.cells import Cell, TableDoc, fmt_fixed, fmt_params, latex_escape, read_table_doc
-from specprefetch.render.data import CI, CI_LEVEL, bootstrap_ci
 from specprefetch.render.profile import profile_sentence
 from specprefetch.render.reported import MATCH_KEYS, Reported, match_key
 from specprefetch.render.tables import TABLES, render_template

@@ -20,7 +20,7 @@ import pandas as pd
 
 from specprefetch.contracts import check_csv, reraise_as
 from specprefetch.io import SpecPrefetchError, atomic_path
-from specprefetch.metrics import CI, CI_BOOT, CI_LEVEL, CI_SEED, bootstrap_ci  # noqa: F401  (re-exported)
+from specprefetch.metrics import CI, CI_BOOT, CI_LEVEL, CI_SEED, bootstrap_ci
 from specprefetch.render.targets import RESULT_PATHS
 
 log = logging.getLogger(__name__)

@@ -396,7 +396,6 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     lockstep = settings["interleave"] == "token"
     n_repeats: dict[str, int] = {}  # per block
     for b in blocks:
-        tps: dict[Signature, list[float]] = {c.signature: [] for c in b.configs}
         r = 0
         while r < max_repeats:
             order = block_order(list(b.configs), seed, b.name, r)
@@ -418,10 +417,11 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
                                         "timings": [], "tokens": torch.tensor(res.tokens(), dtype=torch.int64)}
                 routing[cfg.key]["repeats"].append(row)
                 routing[cfg.key]["timings"].append(timing)
-                tps[cfg.signature].append(res.tokens_per_s)
                 log.info("[%d/%d] %s r%d: %.2f tok/s", done, n_runs, cfg.key, r, res.tokens_per_s)
             r += 1
             if repeats <= r < max_repeats:
+                tps = {c.signature: [measured[(b.name, q, c.signature)]["tokens_per_s"] for q in range(r)]
+                       for c in b.configs}
                 width, what = widest_gain_ci(b.configs, tps)
                 if width <= target:
                     log.info("block %s: every gain within +-%.2f pp after %d repeats", b.name, width, r)
