@@ -97,6 +97,7 @@ localrules:
     compile_preview,
     collect_device_benchmarks,
     archive_results,
+    write_numbers,
 
 
 if (msg := RT.skipped_pdf_message(P.cfg)) is not None:

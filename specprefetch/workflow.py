@@ -26,7 +26,7 @@ import yaml
 from specprefetch.config import LEARNED_METHODS, device_settings, trains_online, validate_config
 from specprefetch.contracts import read_doc
 from specprefetch.io import config_hash, write_text_atomic
-from specprefetch.render.targets import RESULT_PATHS
+from specprefetch.render.targets import RESULT_PATHS, out_dir
 
 CORPUS = "corpus"
 # Expensive deterministic rules whose outputs `snakemake --cache` shares between working directories.
@@ -293,7 +293,12 @@ class Pipeline:
         return [self.predictor_dir(m, meth) for m in self.models for meth in self.methods]
 
     def paper_table_inputs(self) -> list[str]:
-        return [self.disjointness_json, self.result_path("recall"), self.result_path("params")]
+        return [self.disjointness_json, self.result_path("recall"), self.result_path("params"),
+                self.numbers_file("md"), self.numbers_file("json")]
+
+    def numbers_file(self, ext: str = "md") -> str:
+        """The measured numbers the docs cite, each with its source (``render.numbers``), beside the rendering."""
+        return f"{out_dir(self.cfg)}/numbers.{ext}"
 
     # ---------------------------------------------------------------- device (offloaded runtime)
     @cached_property
@@ -390,6 +395,7 @@ class Pipeline:
         "compare_with_paper": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
         "write_preview": {"cpu": {"mem_mb": 500, "runtime": 5}, "paper": {"mem_mb": 500, "runtime": 5}},
         "compile_preview": {"cpu": {"mem_mb": 1000, "runtime": 10}, "paper": {"mem_mb": 1000, "runtime": 10}},
+        "write_numbers": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
     }
 
     def resources(self, rule: str) -> dict[str, int]:

@@ -33,7 +33,7 @@ def job_counts(output: str) -> dict[str, int]:
 COMMON = {"prepare_workload": 5, "prepare_corpus": 1, "check_disjoint": 1,
           "train_predictor": 16, "gather_recall": 1, "gather_params": 1,
           "render_table": 5, "render_figure": 6, "collect_device_benchmarks": 1, "compare_with_paper": 1,
-          "write_preview": 1, "archive_results": 1, "paper_tables": 1,
+          "write_preview": 1, "archive_results": 1, "write_numbers": 1, "paper_tables": 1,
           **({"compile_preview": 1} if shutil.which("pdflatex") else {})}
 
 

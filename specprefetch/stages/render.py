@@ -1,4 +1,5 @@
-"""CLI: ``render-tables``, ``render-figures``, ``compare-paper``, ``compile-preview``, ``diff-tables``.
+"""CLI: ``render-tables``, ``render-figures``, ``compare-paper``, ``write-numbers``, ``compile-preview``,
+``diff-tables``.
 
 The Snakemake rules in workflow/rules/render.smk call exactly these; each also runs by hand, e.g.::
 
@@ -6,6 +7,7 @@ The Snakemake rules in workflow/rules/render.smk call exactly these; each also r
     specprefetch render-figures --config config/config.yaml --out-dir /tmp/tables/figures
     specprefetch compare-paper --config config/config.yaml --tables /tmp/tables/table*.json \\
         --figures /tmp/tables/figures/*.json --out-dir /tmp/tables
+    specprefetch write-numbers --tables-dir /tmp/tables --out /tmp/tables/numbers.md
     specprefetch compile-preview --config config/config.yaml --dir /tmp/tables
     specprefetch diff-tables paper_tables /tmp/tables --config config/config.yaml
 """
@@ -87,6 +89,15 @@ def _cmd_compare(args: argparse.Namespace) -> None:
           f"checkable claims of the paper ({cfg['profile']} profile); see comparison.md")
 
 
+def _cmd_write_numbers(args: argparse.Namespace) -> None:
+    from specprefetch.render.numbers import write_numbers
+
+    out_json = args.json or args.out.with_suffix(".json")
+    numbers = write_numbers(args.tables_dir, args.out, out_json, results_dir=args.results_dir,
+                            comparison=args.comparison, sim_validation=args.sim_validation, title=args.title)
+    print(f"{args.out}, {out_json}: {len(numbers)} numbers")
+
+
 def _cmd_compile_preview(args: argparse.Namespace) -> None:
     from specprefetch.render.preview import LatexMissing, compile_preview, write_preview_tex
 
@@ -157,6 +168,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--markdown", type=Path, default=None, help="default <out-dir>/comparison.md")
     p.add_argument("--templates", type=Path, default=None)
     p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("write-numbers", help="numbers.md and numbers.json: the measured numbers the docs cite, each "
+                                             "with the file and cell it came from")
+    p.add_argument("--tables-dir", required=True, type=Path,
+                   help="the rendering: tableN_*.json, figures/*.json (e.g. paper_tables)")
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help="the archived result CSVs, runs.csv and window.csv (default <tables-dir>/results)")
+    p.add_argument("--comparison", type=Path, default=None, help="default <tables-dir>/comparison.json")
+    p.add_argument("--sim-validation", type=Path, default=None,
+                   help="the simulator's validation CSV (results/device/sim_validation.csv); optional")
+    p.add_argument("--out", required=True, type=Path, help="the Markdown page, e.g. paper_tables/numbers.md")
+    p.add_argument("--json", type=Path, default=None, help="the same records as JSON (default: --out with .json)")
+    p.add_argument("--title", default="Measured numbers", help="the page's heading")
+    p.set_defaults(func=_cmd_write_numbers)
 
     p = sub.add_parser("compile-preview", help="one LaTeX document with every table, comparison and figure; "
                                                "compiled with pdflatex when installed")

@@ -185,3 +185,33 @@ rule compile_preview:
     shell:
         "{params.cli} compile-preview --config {params.config:q} --dir {params.out_dir:q} --tex {input.tex:q} "
         "--out {output:q} --pdf-only 2>&1 | tee {log:q}"
+
+
+rule write_numbers:
+    """numbers.md and numbers.json: the measured numbers the docs cite, each with the file and cell it came from."""
+    input:
+        tables=[RT.table_file(P.cfg, t, "json") for t in RT.TABLE_NAMES],
+        figures=[RT.figure_file(P.cfg, f, "json") for f in RT.FIGURE_NAMES],
+        comparison=rules.compare_with_paper.output.json,
+        archived=list(RT.archive_files(P.cfg).values()),
+        sim_validation=P.sim_validation_table,
+    output:
+        md=P.numbers_file("md"),
+        json=P.numbers_file("json"),
+    log:
+        P.log_path("write_numbers", "numbers"),
+    benchmark:
+        P.benchmark_path("write_numbers", "numbers")
+    conda:
+        P.conda_env
+    threads: 1
+    resources:
+        **P.resources("write_numbers"),
+    params:
+        cli=P.cli,
+        tables_dir=lambda w, input: P.parent_dir(input.tables),
+        results_dir=lambda w, input: P.parent_dir(input.archived),
+    shell:
+        "{params.cli} write-numbers --tables-dir {params.tables_dir:q} --results-dir {params.results_dir:q} "
+        "--comparison {input.comparison:q} --sim-validation {input.sim_validation:q} --out {output.md:q} "
+        "--json {output.json:q} 2>&1 | tee {log:q}"
