@@ -461,6 +461,137 @@ def _fit_learned(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mapping
 # --------------------------------------------------------------------------------------------- entry point
 
 
+@dataclasses.dataclass
+class _TrainingData:
+    """What a predictor is fitted on, decided once before any weight is drawn.
+
+    ``traces`` is the corpus trace directory as given and ``reader`` its open reader (None online without
+    traces; kept for the records even when a learned method trains online). ``bundle`` is the frozen model of
+    ``source: online``; ``dataset``/``collate`` are what the Trainer iterates (learned methods) or what a
+    training-free method counts online. ``dims`` are the predictor's shapes, checked against the config's model;
+    ``max_token_id`` is the largest token id the draft model's vocabulary must hold (-1 when not known).
+    """
+
+    traces: Path | None
+    reader: Any | None
+    online: bool
+    dims: PredictorDims
+    max_token_id: int = -1
+    bundle: Any = None
+    dataset: Any = None
+    collate: Any = _first
+
+    def trace_record(self) -> dict[str, Any] | None:
+        """meta.json's ``trained_on``: which trace (directory and manifest digest) and how many tokens it holds."""
+        if self.reader is None:
+            return None
+        return {"dir": str(self.traces), "manifest_sha256": sha256_file(Path(self.traces) / "manifest.json"),
+                "n_tokens": self.reader.n_tokens}
+
+    def release(self) -> None:
+        """Drop the frozen model and the data stream (the collate holds the dataset), so it is freed before the
+        predictor is written."""
+        self.bundle = self.dataset = None
+        self.collate = _first
+
+
+def _training_data(cfg: Mapping[str, Any], model_name: str, method: str, learned: bool,
+                   train_traces: Path | None, model_dir: Path | None, corpus_dir: Path | None) -> _TrainingData:
+    """Open the inputs ``predictors.training.source`` asks for and check their shapes against the config's model.
+
+    Online, learned methods always train on the live model, while training-free ones use the traces when given
+    (they need no forward pass). From traces, learned methods get shuffled whole-sample chunks of
+    ``batch_tokens``; training-free ones read the trace themselves.
+    """
+    mcfg = cfg["models"][model_name]
+    tcfg = cfg["predictors"]["training"]
+    reader = _open_trace(Path(train_traces) if train_traces is not None else None, model_name)
+    online = tcfg["source"] == "online" and (learned or reader is None)
+    if reader is None and not online:
+        raise SpecPrefetchError(f"training {method} needs the corpus traces (--traces DIR)")
+    if online:
+        bundle, dataset = _online_dataset(cfg, model_name, model_dir, corpus_dir, tcfg)
+        data = _TrainingData(train_traces, reader, online=True, dims=dims_from_spec(bundle.routing),
+                             max_token_id=len(bundle.tokenizer) - 1, bundle=bundle, dataset=dataset,
+                             collate=dataset.materialize)
+        _check_dims_vs_config(data.dims, mcfg, f"model {model_dir}")
+        return data
+    data = _TrainingData(train_traces, reader, online=False, dims=PredictorDims.from_manifest(reader.manifest))
+    if learned:
+        data.dataset = TraceChunks(reader, int(tcfg["batch_tokens"]), seed=int(tcfg["seed"]), shuffle=True)
+        data.max_token_id = data.dataset.max_token_id
+    _check_dims_vs_config(data.dims, mcfg, f"trace {train_traces}")
+    return data
+
+
+def _new_predictor(cfg: Mapping[str, Any], model_name: str, method: str, data: _TrainingData,
+                   model_dir: Path | None) -> Predictor:
+    """A freshly initialised predictor for the data's shapes (its weights come from the run's seed).
+
+    The draft model also needs a vocabulary that holds every token id it will see, and starts from the frozen
+    model's input embeddings (projected to its width): from ``model_dir``, else from the loaded model online.
+    """
+    dims = data.dims
+    table = None
+    if method == "draft_model":
+        from specprefetch.predictors.draft_model import find_input_embeddings
+
+        table = find_input_embeddings(model_dir) if model_dir is not None else None
+        if table is None and data.bundle is not None:  # online from the hub: the loaded model's own table
+            table = data.bundle.model.get_input_embeddings().weight.detach().float().cpu()
+        dims = dataclasses.replace(dims, vocab_size=resolve_vocab(cfg, model_dir, data.max_token_id, table))
+    predictor = build_predictor(method, cfg, dims, model=model_name)
+    if table is not None:
+        predictor.init_embeddings(table)  # type: ignore[attr-defined]
+    elif getattr(predictor, "freeze_embedding", False):
+        log.warning("draft_model: freeze_embedding is set but no input embedding was found in %s: the frozen "
+                    "embedding stays random", model_dir if model_dir is not None else "(no --model-dir)")
+    return predictor
+
+
+def _resume_dir(cfg: Mapping[str, Any], model_name: str, method: str, predictor: Predictor, data: _TrainingData,
+                out_dir: Path, deepspeed: bool) -> Path | None:
+    """Where this run keeps its resume checkpoints (None without ``checkpoint_steps``).
+
+    The directory is stamped with the run's identity — model, method and its settings, training recipe, shapes,
+    data (trace manifest or online) and, under DeepSpeed, the process count (a DeepSpeed checkpoint resumes only
+    under DeepSpeed, on as many processes) — so a rerun of the same job resumes and any other run starts afresh.
+    """
+    tcfg = cfg["predictors"]["training"]
+    if int(tcfg["checkpoint_steps"]) <= 0:
+        return None
+    run_id = {"model": dict(cfg["models"][model_name]), "method": method, "method_cfg": predictor.method_cfg,
+              "training": dict(tcfg), "dims": dataclasses.asdict(predictor.dims), "online": data.online,
+              "trace": sha256_file(Path(data.traces) / "manifest.json") if data.reader is not None else None}
+    if deepspeed:
+        run_id["deepspeed"] = {"world_size": int(os.environ.get("WORLD_SIZE", 1))}
+    return _checkpoint_dir(checkpoint_dir_for(out_dir), config_hash(run_id))
+
+
+def _fit_training_free(predictor: Predictor, data: _TrainingData) -> int:
+    """Training-free methods only collect what they need (gates, corpus expert counts), from the traces or online
+    from the live model; return how many tokens they saw."""
+    if data.online:
+        _fit_statistics_online(predictor, data.bundle, data.dataset)
+        return data.dataset.n_tokens
+    predictor.fit_statistics(data.reader)
+    return data.reader.n_tokens
+
+
+def _save_output(predictor: Predictor, meta: dict[str, Any], out_dir: Path, learned: bool) -> dict[str, Any]:
+    """Write ``out_dir`` atomically (rank 0 only under distributed training) and drop the resume checkpoints, which
+    a complete output no longer needs; return the predictor's full meta."""
+    if int(os.environ.get("RANK", 0)) != 0:
+        return {**predictor.meta(), **meta}
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        predictor.save(tmp, extra_meta=meta)
+    if learned:
+        shutil.rmtree(checkpoint_dir_for(out_dir), ignore_errors=True)
+    log.info("saved %s predictor for %s to %s (%d trainable params, final loss %s, %.1fs)", predictor.method,
+             meta["model"], out_dir, predictor.trainable_params(), meta["final_loss"], meta["wall_time_s"])
+    return {**predictor.meta(), **meta}
+
+
 def train_predictor(
     cfg: Mapping[str, Any],
     model_name: str,
@@ -482,80 +613,27 @@ def train_predictor(
     mcfg = _model_cfg(cfg, model_name)
     tcfg = cfg["predictors"]["training"]
     seed = int(tcfg["seed"])
-    source = tcfg["source"]
-    if source not in ("traces", "online"):
-        raise SpecPrefetchError(f"invalid predictors.training.source {source!r}: use traces or online")
+    if tcfg["source"] not in ("traces", "online"):
+        raise SpecPrefetchError(f"invalid predictors.training.source {tcfg['source']!r}: use traces or online")
     model_dir = Path(model_dir) if model_dir is not None else None
-    seed_everything(seed)
+    seed_everything(seed)  # before the data order and the initial weights are drawn
 
     learned = predictor_class(method).learned
     ds_path = deepspeed_config_path(tcfg, warn=False) if learned else None  # fails now if deepspeed is missing
-    reader = _open_trace(Path(train_traces) if train_traces is not None else None, model_name)
-    # Online: learned methods always train on the live model; training-free ones use the traces if given.
-    online = source == "online" and (learned or reader is None)
-    if reader is None and not online:
-        raise SpecPrefetchError(f"training {method} needs the corpus traces (--traces DIR)")
-
-    bundle: Any = None
-    dataset: Any = None
-    collate: Any = _first
-    if online:
-        bundle, dataset = _online_dataset(cfg, model_name, model_dir, corpus_dir, tcfg)
-        collate = dataset.materialize
-        dims = dims_from_spec(bundle.routing)
-        max_id = len(bundle.tokenizer) - 1
-        _check_dims_vs_config(dims, mcfg, f"model {model_dir}")
-    else:
-        dims = PredictorDims.from_manifest(reader.manifest)
-        max_id = -1
-        if learned:
-            dataset = TraceChunks(reader, int(tcfg["batch_tokens"]), seed=seed, shuffle=True)
-            max_id = dataset.max_token_id
-        _check_dims_vs_config(dims, mcfg, f"trace {train_traces}")
-
-    table = None
-    if method == "draft_model":
-        from specprefetch.predictors.draft_model import find_input_embeddings
-
-        table = find_input_embeddings(model_dir) if model_dir is not None else None
-        if table is None and bundle is not None:  # online from the hub: the loaded model's own table
-            table = bundle.model.get_input_embeddings().weight.detach().float().cpu()
-        dims = dataclasses.replace(dims, vocab_size=resolve_vocab(cfg, model_dir, max_id, table))
-
-    predictor = build_predictor(method, cfg, dims, model=model_name)
-    if table is not None:
-        predictor.init_embeddings(table)  # type: ignore[attr-defined]
-    elif getattr(predictor, "freeze_embedding", False):
-        log.warning("draft_model: freeze_embedding is set but no input embedding was found in %s: the frozen "
-                    "embedding stays random", model_dir if model_dir is not None else "(no --model-dir)")
-
-    run: dict[str, Any] = {"source": "online" if online else "traces"}
+    data = _training_data(cfg, model_name, method, learned, train_traces, model_dir, corpus_dir)
+    predictor = _new_predictor(cfg, model_name, method, data, model_dir)
+    run: dict[str, Any] = {"source": "online" if data.online else "traces"}
     if learned:
         precision = resolve_precision(tcfg["precision"])
         run.update(precision=precision, batch_tokens=int(tcfg["batch_tokens"]))
-        ckpt_dir = None
-        if int(tcfg["checkpoint_steps"]) > 0:
-            run_id = {"model": dict(mcfg), "method": method, "method_cfg": predictor.method_cfg,
-                      "training": dict(tcfg), "dims": dataclasses.asdict(dims), "online": online,
-                      "trace": sha256_file(Path(train_traces) / "manifest.json") if reader is not None else None}
-            if ds_path is not None:  # a DeepSpeed checkpoint resumes only under DeepSpeed, on as many processes
-                run_id["deepspeed"] = {"world_size": int(os.environ.get("WORLD_SIZE", 1))}
-            fingerprint = config_hash(run_id)
-            ckpt_dir = _checkpoint_dir(checkpoint_dir_for(out_dir), fingerprint)
-        run.update(_fit_learned(predictor, dataset, collate, tcfg, precision, ckpt_dir))
-    elif online:
-        _fit_statistics_online(predictor, bundle, dataset)
-        run["n_tokens"] = dataset.n_tokens
+        ckpt_dir = _resume_dir(cfg, model_name, method, predictor, data, out_dir, deepspeed=ds_path is not None)
+        run.update(_fit_learned(predictor, data.dataset, data.collate, tcfg, precision, ckpt_dir))
     else:
-        predictor.fit_statistics(reader)
-        run["n_tokens"] = reader.n_tokens
-    bundle = dataset = None  # release the frozen model before writing
+        run["n_tokens"] = _fit_training_free(predictor, data)
+    trace_info = data.trace_record()
+    data.release()  # the frozen model goes before writing
 
     fragment = {"model": dict(mcfg), "method": method, "method_cfg": predictor.method_cfg, "training": dict(tcfg)}
-    trace_info = None
-    if reader is not None:
-        trace_info = {"dir": str(train_traces), "manifest_sha256": sha256_file(Path(train_traces) / "manifest.json"),
-                      "n_tokens": reader.n_tokens}
     meta = {
         "model": model_name,
         "config_hash": config_hash(fragment),
@@ -564,18 +642,10 @@ def train_predictor(
         "loss_curve": run.pop("loss_curve", []),
         "wall_time_s": round(time.perf_counter() - t0, 3),
         "trained_on": trace_info,
-        "corpus_dir": str(corpus_dir) if online and corpus_dir is not None else None,
+        "corpus_dir": str(corpus_dir) if data.online and corpus_dir is not None else None,
         "provenance": provenance(fragment, seed, model_dir=str(model_dir) if model_dir else None),
     }
-    if int(os.environ.get("RANK", 0)) != 0:  # distributed training: rank 0 writes the output
-        return {**predictor.meta(), **meta}
-    with atomic_path(out_dir, is_dir=True) as tmp:
-        predictor.save(tmp, extra_meta=meta)
-    if learned:  # the output is complete: its resume checkpoints are no longer needed
-        shutil.rmtree(checkpoint_dir_for(out_dir), ignore_errors=True)
-    log.info("saved %s predictor for %s to %s (%d trainable params, final loss %s, %.1fs)", method, model_name,
-             out_dir, predictor.trainable_params(), meta["final_loss"], meta["wall_time_s"])
-    return {**predictor.meta(), **meta}
+    return _save_output(predictor, meta, out_dir, learned)
 
 
 def dims_from_spec(spec: Any) -> PredictorDims:
