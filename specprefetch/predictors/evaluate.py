@@ -58,6 +58,76 @@ def _check_predictor(meta: Mapping[str, Any], pred_dir: Path, model_name: str, r
             raise SpecPrefetchError(f"{where}: dims.{k}={dims.get(k)} but trace {reader.dir} has {v}")
 
 
+def _open_eval_trace(trace_dir: Path, model_name: str, workload: str) -> Any:
+    """The workload trace, verified, and checked to be of this model and workload (its manifest says so)."""
+    from specprefetch.traces.store import TraceReader
+
+    reader = TraceReader(trace_dir, verify=True)
+    man = reader.manifest
+    if man.get("model") not in (None, model_name):
+        raise SpecPrefetchError(f"{Path(trace_dir) / 'manifest.json'}: trace of model {man.get('model')!r}, "
+                                f"evaluating {model_name!r}")
+    if man.get("workload") not in (None, workload):
+        raise SpecPrefetchError(f"{Path(trace_dir) / 'manifest.json'}: trace of workload {man.get('workload')!r}, "
+                                f"expected {workload!r}")
+    return reader
+
+
+def _load_predictors(predictor_dirs: Mapping[str, Path], model_name: str, reader: Any,
+                     device: torch.device) -> tuple[dict[str, Predictor], dict[str, Any]]:
+    """Load every predictor onto ``device`` after checking it is the method it is given as and fits the model and
+    the trace; return them with what the provenance records of each (directory, weights digest, config hash)."""
+    preds: dict[str, Predictor] = {}
+    metas: dict[str, Any] = {}
+    for method, pdir in predictor_dirs.items():
+        meta = read_meta(pdir)
+        if meta["method"] != method:
+            raise SpecPrefetchError(f"{Path(pdir) / 'meta.json'}: holds a {meta['method']!r} predictor, "
+                                    f"given as {method!r}")
+        _check_predictor(meta, Path(pdir), model_name, reader)
+        preds[method] = load_predictor(pdir, map_location=device)
+        metas[method] = {"dir": str(pdir), "sha256": meta["weights"]["sha256"], "config_hash": meta.get("config_hash")}
+    return preds, metas
+
+
+def _count_hits(preds: Mapping[str, Predictor], reader: Any, budgets: list[int], mode: CandidateMode,
+                batch_tokens: int, device: torch.device, desc: str) -> tuple[dict[str, Tensor], int]:
+    """One pass over the trace: per method, the summed per-token recall of each budget and target layer
+    (``[len(budgets), L-1]``, float64), and the number of tokens. Candidates are drawn once at the largest budget;
+    a smaller budget is their prefix."""
+    from specprefetch.predictors.data import batch_to, iter_trace_batches
+
+    m_max = max(budgets)
+    hits = {m: torch.zeros(len(budgets), reader.n_layers - 1, dtype=torch.float64) for m in preds}
+    n_tokens = 0
+    with torch.no_grad():
+        for batch in tqdm(iter_trace_batches(reader, batch_tokens), desc=desc, disable=None):
+            batch = batch_to(batch, device)
+            n_tokens += int(batch["token_ids"].shape[0])
+            for method, pred in preds.items():
+                cands = candidate_sets(pred, batch, m_max, mode)
+                for l, c in enumerate(cands):
+                    true = batch["topk"][l + 1]
+                    for j, m in enumerate(budgets):
+                        hits[method][j, l] += float(recall_per_token(true, c[:, :m]).sum())
+    return hits, n_tokens
+
+
+def _recall_tables(hits: Mapping[str, Tensor], n_tokens: int, budgets: list[int], model_name: str,
+                   workload: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The recall table (per method and budget: the mean over target layers) and the per-layer table (``layer`` =
+    target MoE ordinal l+1) from the summed hits: ExpertRecall is a mean over tokens."""
+    rows, layer_rows = [], []
+    for method in hits:
+        for j, m in enumerate(budgets):
+            per_layer = hits[method][j] / n_tokens
+            rows.append({"model": model_name, "workload": workload, "method": method, "M": m,
+                         "expert_recall": float(per_layer.mean()), "n_tokens": n_tokens})
+            layer_rows += [{"model": model_name, "workload": workload, "method": method, "M": m, "layer": l + 1,
+                            "expert_recall": float(v)} for l, v in enumerate(per_layer.tolist())]
+    return pd.DataFrame(rows, columns=RECALL_COLUMNS), pd.DataFrame(layer_rows, columns=PER_LAYER_COLUMNS)
+
+
 def evaluate_recall(
     cfg: Mapping[str, Any],
     model_name: str,
@@ -75,75 +145,34 @@ def evaluate_recall(
     plus ``<stem>.provenance.json``. Returns the overall table.
     """
     from specprefetch.config import budgets_for
-    from specprefetch.predictors.data import batch_to, iter_trace_batches
-    from specprefetch.traces.store import TraceReader
 
     if not predictor_dirs:
         raise SpecPrefetchError("evaluate_recall: no predictors given")
-    reader = TraceReader(trace_dir, verify=True)
-    man = reader.manifest
-    if man.get("model") not in (None, model_name):
-        raise SpecPrefetchError(f"{Path(trace_dir) / 'manifest.json'}: trace of model {man.get('model')!r}, "
-                                f"evaluating {model_name!r}")
-    if man.get("workload") not in (None, workload):
-        raise SpecPrefetchError(f"{Path(trace_dir) / 'manifest.json'}: trace of workload {man.get('workload')!r}, "
-                                f"expected {workload!r}")
+    reader = _open_eval_trace(trace_dir, model_name, workload)
     mode: CandidateMode = candidates or cfg["recall"]["candidates"]
     budgets = budgets_for(cfg, model_name)
-    m_max = max(budgets)
-    if m_max > reader.n_experts:
-        raise SpecPrefetchError(f"recall budget M={m_max} > n_experts={reader.n_experts} of trace {trace_dir}")
+    if max(budgets) > reader.n_experts:
+        raise SpecPrefetchError(f"recall budget M={max(budgets)} > n_experts={reader.n_experts} of trace {trace_dir}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    preds: dict[str, Predictor] = {}
-    metas: dict[str, Any] = {}
-    for method, pdir in predictor_dirs.items():
-        meta = read_meta(pdir)
-        if meta["method"] != method:
-            raise SpecPrefetchError(f"{Path(pdir) / 'meta.json'}: holds a {meta['method']!r} predictor, "
-                                    f"given as {method!r}")
-        _check_predictor(meta, Path(pdir), model_name, reader)
-        preds[method] = load_predictor(pdir, map_location=device)
-        metas[method] = {"dir": str(pdir), "sha256": meta["weights"]["sha256"], "config_hash": meta.get("config_hash")}
-
-    n_pairs = reader.n_layers - 1
-    hits = {m: torch.zeros(len(budgets), n_pairs, dtype=torch.float64) for m in preds}
-    n_tokens = 0
-    with torch.no_grad():
-        for batch in tqdm(iter_trace_batches(reader, batch_tokens), desc=f"recall {model_name}/{workload}",
-                          disable=None):
-            batch = batch_to(batch, device)
-            n_tokens += int(batch["token_ids"].shape[0])
-            for method, pred in preds.items():
-                cands = candidate_sets(pred, batch, m_max, mode)
-                for l, c in enumerate(cands):
-                    true = batch["topk"][l + 1]
-                    for j, m in enumerate(budgets):
-                        hits[method][j, l] += float(recall_per_token(true, c[:, :m]).sum())
+    preds, metas = _load_predictors(predictor_dirs, model_name, reader, device)
+    hits, n_tokens = _count_hits(preds, reader, budgets, mode, batch_tokens, device,
+                                 desc=f"recall {model_name}/{workload}")
     if n_tokens == 0:
         raise SpecPrefetchError(f"trace {trace_dir} has no tokens")
 
-    rows, layer_rows = [], []
-    for method in preds:
-        for j, m in enumerate(budgets):
-            per_layer = hits[method][j] / n_tokens
-            rows.append({"model": model_name, "workload": workload, "method": method, "M": m,
-                         "expert_recall": float(per_layer.mean()), "n_tokens": n_tokens})
-            layer_rows += [{"model": model_name, "workload": workload, "method": method, "M": m, "layer": l + 1,
-                            "expert_recall": float(v)} for l, v in enumerate(per_layer.tolist())]
-    df = pd.DataFrame(rows, columns=RECALL_COLUMNS)
-    per_layer_df = pd.DataFrame(layer_rows, columns=PER_LAYER_COLUMNS)
+    df, per_layer_df = _recall_tables(hits, n_tokens, budgets, model_name, workload)
     out_csv = Path(out_csv)
     _write_csv(df, out_csv)
     _write_csv(per_layer_df, per_layer_path(out_csv))
     write_json_atomic(out_csv.with_name(out_csv.stem + ".provenance.json"), {
         "model": model_name, "workload": workload, "candidates": mode, "budgets": budgets, "n_tokens": n_tokens,
         "trace": {"dir": str(trace_dir), "manifest_sha256": sha256_file(Path(trace_dir) / "manifest.json")},
-        "scatter": man.get("scatter"),
+        "scatter": reader.manifest.get("scatter"),
         "predictors": metas,
         "provenance": provenance({"recall": dict(cfg["recall"]), "model": dict(cfg["models"][model_name])}),
     })
     log.info("recall %s/%s: %d tokens, %s", model_name, workload, n_tokens,
-             ", ".join(f"{r['method']}@{r['M']}={r['expert_recall']:.3f}" for r in rows))
+             ", ".join(f"{r.method}@{r.M}={r.expert_recall:.3f}" for r in df.itertuples()))
     return df
 
 
