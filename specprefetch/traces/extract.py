@@ -263,6 +263,55 @@ def _workload_sha(workload_dir: Path) -> str | None:
     return sha256_file(path) if path.is_file() else None
 
 
+def _trace_meta(cfg: dict[str, Any], model_name: str, model_dir: Path | None, workload_dir: Path, spec: Any,
+                scatter: dict[str, Any], device: str) -> dict[str, Any]:
+    """The trace manifest's description of what was traced: model and routing shapes, workload, mode, scatter
+    shard, and the provenance that pins the checkpoint (fingerprint), the workload (manifest digest) and the
+    ``traces`` settings."""
+    tcfg = cfg["traces"]
+    model_cfg = cfg["models"][model_name]
+    return {
+        "model": model_name,
+        "workload": _workload_name(workload_dir),
+        "mode": tcfg["mode"],
+        "scatter": scatter,
+        **{k: v for k, v in spec.describe().items() if k not in ("n_moe_layers",)},
+        "provenance": provenance(
+            tcfg, int(cfg["seed"]), traces_config=tcfg, model_config_hash=config_hash(model_cfg),
+            model=model_fingerprint(Path(model_dir) if model_dir is not None else
+                                    (Path(model_cfg["path"]) if model_cfg.get("path") else None), model_cfg),
+            workload_dir=str(workload_dir), workload_manifest_sha256=_workload_sha(workload_dir),
+            device=str(device), profile=cfg.get("profile"),
+        ),
+    }
+
+
+def _trace_samples(bundle: Any, samples: list[Any], workload_dir: Path, writer: TraceWriter,
+                   tcfg: dict[str, Any], desc: str) -> int:
+    """Run the model over every sample (with its greedy continuation in ``generate`` mode) and store each one's
+    valid tokens' router inputs, logits and top-K; return how many samples were truncated to ``max_length``."""
+    from specprefetch.models import encode_sample
+
+    spec = bundle.routing
+    input_dtype, logits_dtype = writer.input_dtype, writer.logits_dtype
+    n_truncated = 0
+    bar = tqdm(samples, desc=desc, unit="sample", disable=None)
+    for sample in bar:
+        enc = encode_sample(bundle, sample, workload_dir).to(bundle.device)
+        n_truncated += int(enc.truncated)
+        if tcfg["mode"] == "generate":
+            enc = with_continuation(bundle, enc, int(tcfg["max_new_tokens"]))
+        # the first sample also recomputes the top-K with RoutingSpec and checks it equals the gates' own
+        x, logits, topk = traced_forward(bundle.model, spec, enc.kwargs, enc.valid, input_dtype, logits_dtype,
+                                         check=writer.n_samples == 0)
+        valid = enc.valid.cpu()
+        writer.add_sample(x, logits, topk, token_ids=enc.input_ids.cpu()[valid],
+                          position=torch.arange(valid.shape[0])[valid], is_image=enc.is_image.cpu()[valid],
+                          is_prompt=enc.is_prompt.cpu()[valid])
+        bar.set_postfix(tokens=writer.n_tokens, shards=writer.n_shards, refresh=False)
+    return n_truncated
+
+
 # ------------------------------------------------------------------------------------------ driver
 def extract_traces(cfg: dict[str, Any], model_name: str, model_dir: Path | None, workload_dir: Path,
                    out_dir: Path, device: str = "cpu", shard: tuple[int, int] | None = None) -> dict[str, Any]:
@@ -273,7 +322,7 @@ def extract_traces(cfg: dict[str, Any], model_name: str, model_dir: Path | None,
     written trace. ``out_dir`` appears only when every sample succeeded.
     """
     from specprefetch.data.workloads import read_workload
-    from specprefetch.models import encode_sample, load_bundle
+    from specprefetch.models import load_bundle
 
     tcfg = cfg["traces"]
     mode = tcfg["mode"]
@@ -281,8 +330,7 @@ def extract_traces(cfg: dict[str, Any], model_name: str, model_dir: Path | None,
         raise SpecPrefetchError(f"invalid config key 'traces.mode': {mode!r} (use {', '.join(MODES)})")
     input_dtype = dtype_from_name(tcfg["input_dtype"], INPUT_DTYPES, "traces.input_dtype")
     logits_dtype = dtype_from_name(tcfg["logits_dtype"], LOGITS_DTYPES, "traces.logits_dtype")
-    seed = int(cfg["seed"])
-    seed_everything(seed)
+    seed_everything(int(cfg["seed"]))
     workload_dir, out_dir = Path(workload_dir), Path(out_dir)
     samples = read_workload(workload_dir)
     if not samples:
@@ -294,44 +342,17 @@ def extract_traces(cfg: dict[str, Any], model_name: str, model_dir: Path | None,
                                 f"lower config key 'traces.scatter'")
     samples = samples[lo:hi]
     bundle = load_bundle(cfg, model_name, model_dir, device=device)
-    spec = bundle.routing
-    model_cfg = cfg["models"][model_name]
-    meta = {
-        "model": model_name,
-        "workload": _workload_name(workload_dir),
-        "mode": mode,
-        "scatter": {"index": index, "count": count, "samples": [lo, hi]},
-        **{k: v for k, v in spec.describe().items() if k not in ("n_moe_layers",)},
-        "provenance": provenance(
-            tcfg, seed, traces_config=tcfg, model_config_hash=config_hash(model_cfg),
-            model=model_fingerprint(Path(model_dir) if model_dir is not None else
-                                    (Path(model_cfg["path"]) if model_cfg.get("path") else None), model_cfg),
-            workload_dir=str(workload_dir), workload_manifest_sha256=_workload_sha(workload_dir),
-            device=str(device), profile=cfg.get("profile"),
-        ),
-    }
+    meta = _trace_meta(cfg, model_name, model_dir, workload_dir, bundle.routing,
+                       {"index": index, "count": count, "samples": [lo, hi]}, device)
     log.info("extracting %s traces of %s on %s (%d samples, scatter shard %d of %d) -> %s", mode, model_name,
              workload_dir.name, len(samples), index, count, out_dir)
     start = time.perf_counter()
     with TraceWriter(out_dir, meta, int(tcfg["shard_tokens"]), input_dtype, logits_dtype,
                      sample_offset=lo) as writer, \
             torch.inference_mode():
-        writer.set_routers(spec.router_tensors())
-        n_truncated = 0
-        bar = tqdm(samples, desc=f"traces {model_name}/{workload_dir.name}", unit="sample", disable=None)
-        for sample in bar:
-            enc = encode_sample(bundle, sample, workload_dir).to(bundle.device)
-            n_truncated += int(enc.truncated)
-            if mode == "generate":
-                enc = with_continuation(bundle, enc, int(tcfg["max_new_tokens"]))
-            # the first sample also recomputes the top-K with RoutingSpec and checks it equals the gates' own
-            x, logits, topk = traced_forward(bundle.model, spec, enc.kwargs, enc.valid, input_dtype, logits_dtype,
-                                             check=writer.n_samples == 0)
-            valid = enc.valid.cpu()
-            writer.add_sample(x, logits, topk, token_ids=enc.input_ids.cpu()[valid],
-                              position=torch.arange(valid.shape[0])[valid], is_image=enc.is_image.cpu()[valid],
-                              is_prompt=enc.is_prompt.cpu()[valid])
-            bar.set_postfix(tokens=writer.n_tokens, shards=writer.n_shards, refresh=False)
+        writer.set_routers(bundle.routing.router_tensors())
+        n_truncated = _trace_samples(bundle, samples, workload_dir, writer, tcfg,
+                                     desc=f"traces {model_name}/{workload_dir.name}")
         writer.meta["n_truncated"] = n_truncated
         if n_truncated:
             log.warning("%d of %d samples were truncated to models.%s.max_length", n_truncated, len(samples),

@@ -537,15 +537,12 @@ def _samples_of(reader: TraceReader) -> Iterator[tuple[int, dict[str, torch.Tens
             yield int(sidx[a]), {k: v[a:b] for k, v in shard.items()}
 
 
-def gather_traces(shard_dirs: Sequence[str | Path], out_dir: str | Path) -> dict[str, Any]:
-    """Join the scatter shards of one trace set (``extract-traces --shard I/N``) into one trace directory.
+def _scatter_set(shard_dirs: Sequence[str | Path]) -> tuple[list[TraceReader], list[dict[str, Any]]]:
+    """Open the shards of one trace set and check they can be joined; return readers and manifests in shard order.
 
-    Every file is verified (sha256: as it is read, or up front for a hard link); they must be shards 0..N-1 of the
-    same N, share model, workload, layers, dtypes and routers, and cover consecutive samples. The samples are
-    replayed in order through a fresh :class:`TraceWriter`, so the result is the trace one job would have written,
-    file for file (the same shard boundaries, hence the same shuffled training order: results do not depend on
-    ``traces.scatter``); a single shard is hard-linked as it is. The manifest is written last, atomically. Returns
-    the trace's stats.
+    They must be shards 0..N-1 of the same N, share model, workload, layers, dtypes and routers, and cover
+    consecutive samples: anything else (a missing or repeated shard, shards of another run) is named here, before
+    anything is written.
     """
     readers = [TraceReader(d, verify=True) for d in shard_dirs]
     if not readers:
@@ -572,40 +569,70 @@ def gather_traces(shard_dirs: Sequence[str | Path], out_dir: str | Path) -> dict
             raise TraceError(f"{w}: sample_offset {m.get('sample_offset')} but the previous shards end at sample "
                              f"{expected_offset} (a missing or duplicated range of samples)")
         expected_offset += int(m["n_samples"])
+    return readers, mans
+
+
+def _link_whole(reader: TraceReader, gathered_from: list[dict[str, Any]], out_dir: str | Path) -> None:
+    """One shard is the whole trace: hard-link its files as they are (every file is hashed first, since nothing
+    reads them) and write only a new manifest, without the scatter and with where it came from."""
+    reader.verify_all()
+    first = reader.manifest
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        for entry in first["shards"]:
+            _link_or_copy(reader.path_of(entry), tmp / entry["file"])
+        _link_or_copy(reader.dir / ROUTERS, tmp / ROUTERS)
+        manifest = {k: v for k, v in first.items() if k != "scatter"}
+        manifest["provenance"] = {**first.get("provenance", {}), "gathered_from": gathered_from}
+        write_json_atomic(tmp / MANIFEST, manifest)
+
+
+def _replay_shards(readers: list[TraceReader], mans: list[dict[str, Any]], gathered_from: list[dict[str, Any]],
+                   out_dir: str | Path) -> None:
+    """Replay the shards' samples in order through one fresh :class:`TraceWriter`, so the output has the shard
+    boundaries one job would have written; samples without tokens (within and after the shards) are re-added
+    empty, so sample indices stay workload-global."""
+    first = mans[0]
+    written_by_the_writer = ("format", "scatter", "shards", "routers", "dtypes", "n_moe_layers", "n_tokens",
+                             "n_samples", "sample_offset", "n_image_tokens", "n_prompt_tokens", "shard_tokens",
+                             "provenance", "n_truncated")
+    meta = {k: v for k, v in first.items() if k not in written_by_the_writer}
+    meta["provenance"] = {**first.get("provenance", {}), "gathered_from": gathered_from}
+    n_layers = int(first["n_moe_layers"])
+    with TraceWriter(out_dir, meta, int(first["shard_tokens"]), first["dtypes"]["x"], first["dtypes"]["logits"],
+                     sample_offset=int(first.get("sample_offset", 0))) as writer:
+        writer.set_routers(readers[0].routers())
+        for r in readers:
+            for index, t in _samples_of(r):
+                while writer.sample_offset + writer.n_samples < index:  # samples without valid tokens
+                    _add_empty(writer)
+                writer.add_sample([t[f"x.{i}"] for i in range(n_layers)],
+                                  [t[f"logits.{i}"] for i in range(n_layers)],
+                                  [t[f"topk.{i}"] for i in range(n_layers)],
+                                  token_ids=t["token_ids"], position=t["position"], is_image=t["is_image"],
+                                  is_prompt=t["is_prompt"])
+        while writer.n_samples < sum(int(m["n_samples"]) for m in mans):  # trailing samples without tokens
+            _add_empty(writer)
+        if all("n_truncated" in m for m in mans):
+            writer.meta["n_truncated"] = sum(int(m["n_truncated"]) for m in mans)
+
+
+def gather_traces(shard_dirs: Sequence[str | Path], out_dir: str | Path) -> dict[str, Any]:
+    """Join the scatter shards of one trace set (``extract-traces --shard I/N``) into one trace directory.
+
+    Every file is verified (sha256: as it is read, or up front for a hard link); they must be shards 0..N-1 of the
+    same N, share model, workload, layers, dtypes and routers, and cover consecutive samples. The samples are
+    replayed in order through a fresh :class:`TraceWriter`, so the result is the trace one job would have written,
+    file for file (the same shard boundaries, hence the same shuffled training order: results do not depend on
+    ``traces.scatter``); a single shard is hard-linked as it is. The manifest is written last, atomically. Returns
+    the trace's stats.
+    """
+    readers, mans = _scatter_set(shard_dirs)
     gathered_from = [{"dir": str(r.dir), "scatter": m.get("scatter"), "manifest_sha256": sha256_file(r.dir / MANIFEST)}
                      for r, m in zip(readers, mans, strict=True)]
-    if len(readers) == 1:  # hard-linked without reading: hash every file first
-        readers[0].verify_all()
-        with atomic_path(out_dir, is_dir=True) as tmp:
-            for entry in first["shards"]:
-                _link_or_copy(readers[0].path_of(entry), tmp / entry["file"])
-            _link_or_copy(readers[0].dir / ROUTERS, tmp / ROUTERS)
-            manifest = {k: v for k, v in first.items() if k != "scatter"}
-            manifest["provenance"] = {**first.get("provenance", {}), "gathered_from": gathered_from}
-            write_json_atomic(tmp / MANIFEST, manifest)
+    if len(readers) == 1:
+        _link_whole(readers[0], gathered_from, out_dir)
     else:
-        written_by_the_writer = ("format", "scatter", "shards", "routers", "dtypes", "n_moe_layers", "n_tokens",
-                                 "n_samples", "sample_offset", "n_image_tokens", "n_prompt_tokens", "shard_tokens",
-                                 "provenance", "n_truncated")
-        meta = {k: v for k, v in first.items() if k not in written_by_the_writer}
-        meta["provenance"] = {**first.get("provenance", {}), "gathered_from": gathered_from}
-        n_layers = int(first["n_moe_layers"])
-        with TraceWriter(out_dir, meta, int(first["shard_tokens"]), first["dtypes"]["x"], first["dtypes"]["logits"],
-                         sample_offset=int(first.get("sample_offset", 0))) as writer:
-            writer.set_routers(readers[0].routers())
-            for r in readers:
-                for index, t in _samples_of(r):
-                    while writer.sample_offset + writer.n_samples < index:  # samples without valid tokens
-                        _add_empty(writer)
-                    writer.add_sample([t[f"x.{i}"] for i in range(n_layers)],
-                                      [t[f"logits.{i}"] for i in range(n_layers)],
-                                      [t[f"topk.{i}"] for i in range(n_layers)],
-                                      token_ids=t["token_ids"], position=t["position"], is_image=t["is_image"],
-                                      is_prompt=t["is_prompt"])
-            while writer.n_samples < sum(int(m["n_samples"]) for m in mans):  # trailing samples without tokens
-                _add_empty(writer)
-            if all("n_truncated" in m for m in mans):
-                writer.meta["n_truncated"] = sum(int(m["n_truncated"]) for m in mans)
+        _replay_shards(readers, mans, gathered_from, out_dir)
     log.info("gathered %d scatter shard(s) into %s", len(mans), out_dir)
     return trace_stats(out_dir)
 
