@@ -119,7 +119,7 @@ def test_one_repeat_is_not_decidable(cfg: dict, tmp_path: Path) -> None:
 
 def test_paired_comparison_of_two_cells_uses_the_per_repeat_difference() -> None:
     """Two gains whose CIs overlap but whose per-repeat difference is always positive: paired, the claim holds."""
-    from specprefetch.render.compare import _compare_cells
+    from specprefetch.render.claims import greater
 
     a = {"0": 10.0, "1": 2.0, "2": 6.0, "3": 14.0}
     b = {k: v - 1.0 for k, v in a.items()}
@@ -128,14 +128,11 @@ def test_paired_comparison_of_two_cells_uses_the_per_repeat_difference() -> None
         ci = bootstrap_ci(list(reps.values()))
         return Cell(cid, "gain", ci.mean, lo=ci.lo, hi=ci.hi, n=ci.n, repeats=reps)
 
-    doc = TableDoc("table5_matched", "", "x", [cell("A", a), cell("B", b)])
-    ev = _compare_cells(doc, "A", "B")
-    assert ev.outcome is Verdict.HOLDS and "Δ +1.00%" in ev.text
-    unpaired = TableDoc("table5_matched", "", "x", [Cell("A", "gain", 8.0, lo=4.0, hi=12.0, n=4),
-                                                     Cell("B", "gain", 7.0, lo=3.0, hi=11.0, n=4)])
-    assert _compare_cells(unpaired, "A", "B").outcome is Verdict.UNRESOLVED  # overlapping CIs, no pairs
-    point = TableDoc("table5_matched", "", "x", [Cell("A", "gain", 8.0), Cell("B", "gain", 7.0)])
-    assert _compare_cells(point, "A", "B").outcome is True  # the paper's cells: by their values
+    outcome, diff, _ = greater(cell("A", a), cell("B", b), 2, "%")
+    assert outcome is Verdict.HOLDS and "Δ +1.00%" in diff
+    unpaired = (Cell("A", "gain", 8.0, lo=4.0, hi=12.0, n=4), Cell("B", "gain", 7.0, lo=3.0, hi=11.0, n=4))
+    assert greater(*unpaired, 2, "%")[0] is Verdict.UNRESOLVED  # overlapping CIs, no pairs
+    assert greater(Cell("A", "gain", 8.0), Cell("B", "gain", 7.0), 2, "%")[0] is True  # the paper's: by values
 
 
 def test_unresolved_is_rendered_and_counted(cfg: dict, results: dict[str, Path], tmp_path: Path) -> None:
@@ -338,10 +335,11 @@ def _sweep_cell(m: int, per_repeat: list[float]) -> Cell:
 def test_profiled_budget_at_the_sweeps_peak_is_decided_by_the_paired_ci(profiled: int, verdict: Verdict) -> None:
     """The profiled M_max holds at the peak, fails where the peak is faster by the paired CI of their difference,
     is unresolved where that CI contains 0, and is not evaluable where the profiled budget was not swept."""
-    from specprefetch.render.compare import _profiled_at_peak
+    from specprefetch.render.claims import evaluate_claim, load_claims
 
     tp = [_sweep_cell(2, [9.0, 9.1, 8.9, 9.0, 9.2, 8.8]), _sweep_cell(4, [10.1, 9.8, 10.3, 9.9, 10.2, 9.9]),
           _sweep_cell(8, [10.0, 10.2, 10.1, 10.0, 10.1, 10.0])]
-    peak = max(tp, key=lambda c: c.value)
-    ev = _profiled_at_peak(tp, peak, profiled)
-    assert Verdict.of(ev.outcome) is verdict and ev.text.startswith(f"profiled {profiled}" if profiled != 3 else "the")
+    spec = next(s for s in load_claims() if s.id == "f4_profiled_at_peak")
+    c = evaluate_claim(spec, TableDoc("fig4_budget", "", "x", tp, meta={"profiled_m_max": profiled}), load_reported())
+    assert c.verdict_reproduced is verdict
+    assert c.reproduced.startswith(f"profiled {profiled}" if profiled != 3 else "the")

@@ -42,6 +42,7 @@ TABLE_NAMES = list(TABLE_INPUTS)
 ARCHIVE_SUBDIR = "results"
 FIGURE_NAMES = list(FIGURE_INPUTS)
 REPORTED = "config/reference/paper_reported.yaml"
+CLAIMS = "config/reference/claims.yaml"  # the paper's claims, checked by compare-paper
 
 
 def out_dir(cfg: Mapping[str, Any]) -> str:

@@ -81,7 +81,7 @@ def _cmd_compare(args: argparse.Namespace) -> None:
 
     cfg = load_args_config(args)
     claims = compare_with_paper(cfg, args.tables, args.figures or [], load_reported(args.reported), args.out_dir,
-                                markdown=args.markdown, templates=args.templates)
+                                markdown=args.markdown, templates=args.templates, claims_file=args.claims)
     from specprefetch.render.compare import claim_counts
 
     n = claim_counts(claims)
@@ -164,6 +164,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tables", nargs="+", required=True, type=Path, help="table JSONs from render-tables")
     p.add_argument("--figures", nargs="*", type=Path, default=[], help="figure JSONs from render-figures")
     p.add_argument("--reported", type=Path, default=None, help="default config/reference/paper_reported.yaml")
+    p.add_argument("--claims", type=Path, default=None, help="default config/reference/claims.yaml")
     p.add_argument("--out-dir", required=True, type=Path)
     p.add_argument("--markdown", type=Path, default=None, help="default <out-dir>/comparison.md")
     p.add_argument("--templates", type=Path, default=None)

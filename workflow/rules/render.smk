@@ -107,6 +107,7 @@ rule compare_with_paper:
         tables=[RT.table_file(P.cfg, t, "json") for t in RT.TABLE_NAMES],
         figures=[RT.figure_file(P.cfg, f, "json") for f in RT.FIGURE_NAMES],
         reported=str(P.workdir / RT.REPORTED),
+        claims=str(P.workdir / RT.CLAIMS),
     output:
         vs=[RT.vs_paper_file(P.cfg, t) for t in RT.TABLE_NAMES],
         figures_vs=RT.comparison_file(P.cfg, "figures_vs_paper.tex"),
@@ -132,7 +133,8 @@ rule compare_with_paper:
         out_dir=lambda w, output: P.parent_dir(output.json),
     shell:
         "{params.cli} compare-paper --config {params.config:q} --tables {input.tables:q} "
-        "--figures {input.figures:q} --reported {input.reported:q} --out-dir {params.out_dir:q} 2>&1 | tee {log:q}"
+        "--figures {input.figures:q} --reported {input.reported:q} --claims {input.claims:q} "
+        "--out-dir {params.out_dir:q} 2>&1 | tee {log:q}"
 
 
 rule write_preview:
