@@ -15,7 +15,7 @@ repeats, as the tables), and writes them as JSON with ``--out``. Needs the DAG's
 checkout whose ``results/`` holds a built store, a window profile and the trained predictors: ``snakemake --cores
 all paper_tables`` or the rules up to ``profile_window``), found where the pipeline puts them
 (:class:`specprefetch.workflow.Pipeline`). The budget is the window profile's M_max for the storage
-(:func:`specprefetch.runtime.bench.resolve_m_max`) unless ``--m-max`` is given.
+(:func:`specprefetch.runtime.budget.storage_budgets`) unless ``--m-max`` is given.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from specprefetch.config import load_config
     from specprefetch.io import SpecPrefetchError
     from specprefetch.metrics import bootstrap_ci
-    from specprefetch.runtime.bench import resolve_m_max
+    from specprefetch.runtime.budget import budget_storages, storage_budgets
     from specprefetch.stages.device import _harness, _setup, _window_profile
     from specprefetch.workflow import Pipeline
 
@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = p.device
         m_max = args.m_max
         if m_max is None:
-            m_max = resolve_m_max(settings, _window_profile(w / p.window_dir(model), model)).get(args.storage)
-            if m_max is None:
+            if args.storage not in budget_storages(settings):
                 raise SpecPrefetchError(f"--storage {args.storage!r} is not a storage of the device config")
+            m_max = storage_budgets(settings, _window_profile(w / p.window_dir(model), model))[args.storage]
         model_dir = p.model_dir(model)
         ns = argparse.Namespace(config=args.config, model=model, model_dir=w / model_dir if model_dir else None,
                                 store=w / p.store_dir(model), workload_dir=w / p.workload_dir(p.device_workload),

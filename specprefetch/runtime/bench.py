@@ -48,9 +48,10 @@ from typing import Any
 
 import torch
 
-from specprefetch.contracts import POLICY, ROUTING_FORMAT, RUN_COLUMNS, save_tensor_tree
+from specprefetch.contracts import ROUTING_FORMAT, RUN_COLUMNS, save_tensor_tree
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance
 from specprefetch.metrics import bootstrap_ci
+from specprefetch.runtime.budget import layer_budgets, run_budget, storage_budgets
 from specprefetch.runtime.session import Harness, RunResult
 
 log = logging.getLogger(__name__)
@@ -84,15 +85,13 @@ class RunConfig:
 
     @property
     def budget(self) -> int:
-        """The M_max the runtime uses (OFF and all-resident prefetch nothing)."""
-        return self.m_max if POLICY[self.policy].budgeted else 0
+        """The M_max the runtime uses (:func:`~specprefetch.runtime.budget.run_budget`: 0 for OFF, all-resident)."""
+        return run_budget(self.policy, self.m_max, self.layer_m_max).m_max
 
     @property
     def layers(self) -> tuple[int, ...]:
         """The per-layer budgets the runtime uses: () when unbudgeted or every layer's equals ``m_max``."""
-        if not POLICY[self.policy].budgeted or all(m == self.m_max for m in self.layer_m_max[1:]):
-            return ()
-        return self.layer_m_max
+        return run_budget(self.policy, self.m_max, self.layer_m_max).layers
 
     @property
     def signature(self) -> Signature:
@@ -111,47 +110,14 @@ def parse_layer_budgets(label: Any, m_max: int) -> tuple[int, ...]:
     return (int(m_max), *(int(m) for m in text.split("/"))) if text else ()
 
 
-def resolve_layer_m_max(settings: dict[str, Any], profile: dict[str, Any],
-                        m_max: dict[str, int]) -> dict[str, tuple[int, ...]]:
-    """Per-layer budgets per storage (index: the layer prefetched into; layer 0's is the storage's M_max): the window
-    profile's ``m_max_per_layer`` when the budget is profiled; none (the one budget) for a configured integer or a
-    storage the profile has no per-layer budgets for."""
-    if settings["m_max"] != "auto":
-        return {}
-    per = profile.get("m_max_per_layer") or {}
-    n_layers = int(profile.get("n_layers", 0))
-    out = {}
-    for st, m in m_max.items():
-        layers = per.get(st)
-        if layers is None:
-            continue
-        if len(layers) != n_layers - 1:
-            raise SpecPrefetchError(f"window profile's m_max_per_layer[{st!r}] has {len(layers)} layers, expected "
-                                    f"{n_layers - 1}: rerun profile-window")
-        out[st] = (m, *(int(x) for x in layers))
-    return out
-
-
-def resolve_m_max(settings: dict[str, Any], profile: dict[str, Any]) -> dict[str, int]:
-    """M_max per storage: ``device.m_max`` when an integer, else the window profile's budget of each storage
-    (``m_max_per_storage``: ⌊W / t_transfer⌋ with that storage's transfer time)."""
-    storages = dict.fromkeys([settings["reference_storage"], settings["slow_storage"], *settings["storages"]])
-    if settings["m_max"] != "auto":
-        return {st: int(settings["m_max"]) for st in storages}
-    per = profile.get("m_max_per_storage") or {}
-    missing = [st for st in storages if st not in per]
-    if missing:
-        raise SpecPrefetchError(f"window profile has no M_max for storage {', '.join(missing)}: rerun profile-window")
-    return {st: int(per[st]) for st in storages}
-
-
 def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, experiments: Iterable[str],
-                     layer_budgets: dict[str, tuple[int, ...]] | None = None) -> dict[str, list[RunConfig]]:
+                     layer_m_max: dict[str, tuple[int, ...]] | None = None) -> dict[str, list[RunConfig]]:
     """The configurations of every experiment, each storage at its own budget ``budgets[storage]`` (an integer:
-    the same budget everywhere) and, for ``budget``, its per-layer budgets ``layer_budgets[storage]``."""
+    the same budget everywhere) and, for ``budget``, its per-layer budgets ``layer_m_max[storage]``
+    (:mod:`~specprefetch.runtime.budget` decides both)."""
     ref, slow = settings["reference_storage"], settings["slow_storage"]
     m_max = budgets if isinstance(budgets, dict) else defaultdict(lambda: int(budgets))
-    per_layer = layer_budgets or {}
+    per_layer = layer_m_max or {}
     out: dict[str, list[RunConfig]] = {}
     for exp in experiments:
         if exp == "main":
@@ -366,79 +332,119 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     (``block_order``; column ``run_order`` is a run's position), are measured by :func:`measure_block`: in lockstep,
     or one after another in that order, so no policy is always first (or always right after the warm-up).
     """
-    settings = harness.settings
-    m_max = resolve_m_max(settings, profile)
-    plan = plan_experiments(settings, m_max, experiments or settings["experiments"],
-                            resolve_layer_m_max(settings, profile, m_max))
-    blocks = storage_blocks(plan, settings["max_block_runs"])
-    block_of = {(exp, b.storage): b.name for b in blocks for exp in b.experiments}
-    repeats = int(settings["repeats"])
-    max_repeats = int(settings["max_repeats"] or repeats)
-    target = float(settings["target_ci_pp"])
-    n_runs = sum(len(b.configs) for b in blocks) * repeats
-    if max_repeats > repeats:
-        log.info("adaptive repeats: %d to %d per block, until every gain's 95 %% CI is within +-%g pp", repeats,
-                 max_repeats, target)
-    log.info("%d runs in %d blocks per repeat (%s) for %s", n_runs, len(blocks),
-             ", ".join(f"{b.name}: {len(b.configs)}" for b in blocks),
-             ", ".join(f"{k} ({len(v)} configs)" for k, v in plan.items()))
-    # warm-up: allocator, lazy module init, page-table of the store (not recorded)
-    harness.run("resident", "ram", max_new_tokens=4, prompts=harness.prompts[:1])
-    harness.run("off", settings["reference_storage"], max_new_tokens=4, prompts=harness.prompts[:1])
-    plain = [g.new_ids for g in harness.plain_generations()]
-    log.info("plain model: %d prompts x %d new tokens (sha256 %s)", len(plain), len(plain[0]) if plain else 0,
-             tokens_sha256(plain)[:12])
-    measured: dict[tuple[str, int, Signature], dict[str, Any]] = {}  # (block, repeat, signature)
-    routing: dict[str, Any] = {}
-    events_of: dict[tuple[str, int, Signature], list[Any]] = {}
-    timings_of: dict[tuple[str, int, Signature], dict[str, Any]] = {}
-    done = 0
-    lockstep = settings["interleave"] == "token"
-    n_repeats: dict[str, int] = {}  # per block
-    for b in blocks:
-        r = 0
-        while r < max_repeats:
-            order = block_order(list(b.configs), seed, b.name, r)
-            results = measure_block(harness, dict(enumerate(order)), lockstep, f"{seed}/{b.name}/{r}")
-            for pos, cfg in enumerate(order):
-                res = results[pos]
-                done += 1
-                match = res.tokens() == plain
-                if not match:
-                    raise SpecPrefetchError(f"{model}: run {cfg.key} repeat {r} decoded other tokens than the plain "
-                                            "model's greedy generate(); the offloaded runtime must not change outputs")
-                row = {**run_row(res, cfg, r, platform, model, harness.store.layout, match, float("nan")),
-                       "run_order": pos, "block": b.name}
-                measured[(b.name, r, cfg.signature)] = row
-                events_of[(cfg.experiment, r, cfg.signature)] = res.events
-                timings_of[(cfg.experiment, r, cfg.signature)] = timing = run_timing(res, harness.store.n_layers)
-                if r == 0:  # routing and priorities are the same in every repeat (same tokens): record one
-                    routing[cfg.key] = {"row": row, "events": recorded_routing(res), "repeats": [],
-                                        "timings": [], "tokens": torch.tensor(res.tokens(), dtype=torch.int64)}
-                routing[cfg.key]["repeats"].append(row)
-                routing[cfg.key]["timings"].append(timing)
-                log.info("[%d/%d] %s r%d: %.2f tok/s", done, n_runs, cfg.key, r, res.tokens_per_s)
-            r += 1
-            if repeats <= r < max_repeats:
-                tps = {c.signature: [measured[(b.name, q, c.signature)]["tokens_per_s"] for q in range(r)]
-                       for c in b.configs}
-                width, what = widest_gain_ci(b.configs, tps)
-                if width <= target:
-                    log.info("block %s: every gain within +-%.2f pp after %d repeats", b.name, width, r)
-                    break
-                n_runs += len(b.configs)
-                log.info("block %s: +-%.2f pp (%s) after %d repeats: one more", b.name, width, what, r)
-        n_repeats[b.name] = r
-    rows = [{**measured[(block_of[(exp, c.storage)], r, c.signature)], "experiment": exp}
-            for exp, configs in plan.items() for r in range(max(n_repeats.values(), default=0)) for c in configs
-            if r < n_repeats[block_of[(exp, c.storage)]]]
-    set_bounds(rows, events_of, profile, harness.store.n_layers, timings_of)
+    plan, blocks = _plan_blocks(harness.settings, profile, experiments)
+    plain = _warm_up(harness)
+    n_runs = sum(len(b.configs) for b in blocks) * int(harness.settings["repeats"])
+    rec = _Recorder(harness, plain, model, platform, n_runs)
+    n_repeats = {b.name: _measure_repeats(harness, b, rec, seed) for b in blocks}
+    rows = _experiment_rows(plan, blocks, rec, n_repeats)
+    set_bounds(rows, rec.events_of, profile, harness.store.n_layers, rec.timings_of)
     write_runs_csv(out_csv, rows)
     if routing_out is not None:
         save_tensor_tree(routing_out, {"model": model, "platform": platform, "capacity": harness.capacity,
-                                       "plain_tokens": torch.tensor(plain, dtype=torch.int64), "runs": routing,
+                                       "plain_tokens": torch.tensor(plain, dtype=torch.int64), "runs": rec.routing,
                                        "provenance": provenance(config_fragment)}, ROUTING_FORMAT)
     return rows
+
+
+def _plan_blocks(settings: dict[str, Any], profile: dict[str, Any],
+                 experiments: Iterable[str] | None) -> tuple[dict[str, list[RunConfig]], list[Block]]:
+    """The plan (every storage at its budget from :mod:`~specprefetch.runtime.budget`) and the blocks measuring it."""
+    m_max = storage_budgets(settings, profile)
+    plan = plan_experiments(settings, m_max, experiments or settings["experiments"],
+                            layer_budgets(settings, profile, m_max))
+    blocks = storage_blocks(plan, settings["max_block_runs"])
+    repeats = int(settings["repeats"])
+    max_repeats = int(settings["max_repeats"] or repeats)
+    if max_repeats > repeats:
+        log.info("adaptive repeats: %d to %d per block, until every gain's 95 %% CI is within +-%g pp", repeats,
+                 max_repeats, float(settings["target_ci_pp"]))
+    log.info("%d runs in %d blocks per repeat (%s) for %s", sum(len(b.configs) for b in blocks) * repeats,
+             len(blocks), ", ".join(f"{b.name}: {len(b.configs)}" for b in blocks),
+             ", ".join(f"{k} ({len(v)} configs)" for k, v in plan.items()))
+    return plan, blocks
+
+
+def _warm_up(harness: Harness) -> list[list[int]]:
+    """Warm up (allocator, lazy module init, the store's page table; not recorded); the plain model's tokens."""
+    harness.run("resident", "ram", max_new_tokens=4, prompts=harness.prompts[:1])
+    harness.run("off", harness.settings["reference_storage"], max_new_tokens=4, prompts=harness.prompts[:1])
+    plain = [g.new_ids for g in harness.plain_generations()]
+    log.info("plain model: %d prompts x %d new tokens (sha256 %s)", len(plain), len(plain[0]) if plain else 0,
+             tokens_sha256(plain)[:12])
+    return plain
+
+
+# (block or experiment, repeat, signature)
+RunKey = tuple[str, int, Signature]
+
+
+class _Recorder:
+    """Every measured run of one benchmark: its row per (block, repeat, signature), its events and timing per
+    (experiment, repeat, signature), and the routing record (one per configuration, with every repeat's row)."""
+
+    def __init__(self, harness: Harness, plain: list[list[int]], model: str, platform: str, n_runs: int) -> None:
+        self.harness, self.plain, self.model, self.platform = harness, plain, model, platform
+        self.rows: dict[RunKey, dict[str, Any]] = {}
+        self.events_of: dict[RunKey, list[Any]] = {}
+        self.timings_of: dict[RunKey, dict[str, Any]] = {}
+        self.routing: dict[str, Any] = {}
+        self.done, self.n_runs = 0, n_runs
+
+    def add(self, block: str, r: int, pos: int, cfg: RunConfig, res: RunResult) -> None:
+        """Record one run (an error if it decoded other tokens than the plain model)."""
+        self.done += 1
+        match = res.tokens() == self.plain
+        if not match:
+            raise SpecPrefetchError(f"{self.model}: run {cfg.key} repeat {r} decoded other tokens than the plain "
+                                    "model's greedy generate(); the offloaded runtime must not change outputs")
+        row = {**run_row(res, cfg, r, self.platform, self.model, self.harness.store.layout, match, float("nan")),
+               "run_order": pos, "block": block}
+        self.rows[(block, r, cfg.signature)] = row
+        self.events_of[(cfg.experiment, r, cfg.signature)] = res.events
+        self.timings_of[(cfg.experiment, r, cfg.signature)] = timing = run_timing(res, self.harness.store.n_layers)
+        if r == 0:  # routing and priorities are the same in every repeat (same tokens): record one
+            self.routing[cfg.key] = {"row": row, "events": recorded_routing(res), "repeats": [],
+                                     "timings": [], "tokens": torch.tensor(res.tokens(), dtype=torch.int64)}
+        self.routing[cfg.key]["repeats"].append(row)
+        self.routing[cfg.key]["timings"].append(timing)
+        log.info("[%d/%d] %s r%d: %.2f tok/s", self.done, self.n_runs, cfg.key, r, res.tokens_per_s)
+
+
+def _measure_repeats(harness: Harness, b: Block, rec: _Recorder, seed: int) -> int:
+    """Measure block ``b`` for ``device.repeats`` repeats, then (adaptive repeats, ``device.max_repeats``) one more at
+    a time until every gain's CI is within ``device.target_ci_pp``; returns the repeats measured."""
+    settings = harness.settings
+    repeats = int(settings["repeats"])
+    max_repeats = int(settings["max_repeats"] or repeats)
+    target = float(settings["target_ci_pp"])
+    lockstep = settings["interleave"] == "token"
+    r = 0
+    while r < max_repeats:
+        order = block_order(list(b.configs), seed, b.name, r)
+        results = measure_block(harness, dict(enumerate(order)), lockstep, f"{seed}/{b.name}/{r}")
+        for pos, cfg in enumerate(order):
+            rec.add(b.name, r, pos, cfg, results[pos])
+        r += 1
+        if repeats <= r < max_repeats:
+            tps = {c.signature: [rec.rows[(b.name, q, c.signature)]["tokens_per_s"] for q in range(r)]
+                   for c in b.configs}
+            width, what = widest_gain_ci(b.configs, tps)
+            if width <= target:
+                log.info("block %s: every gain within +-%.2f pp after %d repeats", b.name, width, r)
+                break
+            rec.n_runs += len(b.configs)
+            log.info("block %s: +-%.2f pp (%s) after %d repeats: one more", b.name, width, what, r)
+    return r
+
+
+def _experiment_rows(plan: dict[str, list[RunConfig]], blocks: list[Block], rec: _Recorder,
+                     n_repeats: dict[str, int]) -> list[dict[str, Any]]:
+    """runs.csv's rows: every experiment's configurations, each repeat its block measured, from that block's run."""
+    block_of = {(exp, b.storage): b.name for b in blocks for exp in b.experiments}
+    return [{**rec.rows[(block_of[(exp, c.storage)], r, c.signature)], "experiment": exp}
+            for exp, configs in plan.items() for r in range(max(n_repeats.values(), default=0)) for c in configs
+            if r < n_repeats[block_of[(exp, c.storage)]]]
 
 
 def write_runs_csv(path: str | Path, rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:

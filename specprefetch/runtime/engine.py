@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from specprefetch.contracts import POLICIES, POLICY
 from specprefetch.io import SpecPrefetchError
+from specprefetch.runtime.budget import layer_budget
 from specprefetch.runtime.cache import ExpertCache, Key, SlotPool
 from specprefetch.runtime.layer import acquire, begin_layer, issue_prefetches
 from specprefetch.runtime.priority import PriorityProvider
@@ -78,7 +79,7 @@ class RuntimeOptions:
 
     def budget_of(self, layer: int) -> int:
         """M_max of the prefetches into ``layer``: its per-layer budget when one is given, else ``m_max``."""
-        return self.layer_m_max[layer] if self.layer_m_max else self.m_max
+        return layer_budget(self.m_max, self.layer_m_max, layer)
 
 
 def top_k_index_row(idx: Tensor, device: torch.device) -> Tensor:

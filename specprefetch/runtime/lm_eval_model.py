@@ -17,6 +17,9 @@ store=results/device/store/tiny-deepseek-vl2,policy=specprefetch,m_max=6,\\
 predictor=results/predictors/tiny-deepseek-vl2/specprefetch \\
         --device cpu --tasks specprefetch_gsm8k --include_path results/workloads/gsm8k/lm_eval \\
         --limit 8 --output_path results/lm_eval
+
+Without ``m_max=`` the budget is the config's ``device.m_max`` on the given storage (with ``auto``: give
+``window=`` a profile-window directory), decided as the pipeline decides it (:mod:`specprefetch.runtime.budget`).
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ class OffloadedLM(HFLM):
     """lm-eval's HFLM over a model whose routed experts come from the offloaded runtime."""
 
     def __init__(self, config: str | None = None, model: str | None = None, model_dir: str | None = None,
-                 store: str | None = None, policy: str = "off", storage: str = "ram", m_max: int = 4,
-                 predictor: str | None = None, compute_opt: bool = True, capacity: int | None = None,
+                 store: str | None = None, policy: str = "off", storage: str = "ram", m_max: int | None = None,
+                 window: str | None = None, predictor: str | None = None, compute_opt: bool = True,
+                 capacity: int | None = None,
                  bundle: Any = None, expert_store: Any = None, provider: Any = None,
                  device: str = "cpu", batch_size: int = 1, **kwargs: Any) -> None:
         from specprefetch.runtime.settings import cache_capacity, device_settings
@@ -92,6 +96,8 @@ class OffloadedLM(HFLM):
         lm = language_model(bundle.model)
         self.reader = ExpertReader(expert_store, make_profile(storage, settings,
                                                               expert_store.layout.payload_bytes))
+        if m_max is None:
+            m_max = default_m_max(settings, storage, window, model)
         opts = RuntimeOptions(policy=policy, m_max=int(m_max), capacity=int(capacity),
                               compute_opt=_as_bool(compute_opt))
         self.runtime = OffloadedRuntime(lm, expert_store, self.reader, opts, provider, spec=spec, device=device)
@@ -106,6 +112,16 @@ class OffloadedLM(HFLM):
         self.runtime.uninstall()
         self.runtime.close()
         self.reader.close()
+
+
+def default_m_max(settings: dict[str, Any], storage: str, window: str | None, model: str | None) -> int:
+    """The budget when ``m_max=`` is not given: the config's ``device.m_max`` on ``storage``, or, when that is
+    auto, the window profile's (``window=``: a profile-window directory), as the pipeline decides it
+    (:func:`~specprefetch.runtime.budget.storage_budgets`)."""
+    from specprefetch.runtime.budget import read_window_profile, storage_budgets
+
+    profile = read_window_profile(window, model) if window is not None else None
+    return storage_budgets(settings, profile, [storage], need="m_max= or window= (a profile-window directory)")[storage]
 
 
 def _as_bool(v: Any) -> bool:
@@ -178,9 +194,10 @@ def _outputs(res: dict[str, Any]) -> dict[str, list[Any]]:
 
 def evaluate_offloaded(cfg: dict[str, Any], settings: dict[str, Any], model_name: str, bundle: Any, store: Any,
                        providers: dict[str, Any], tasks_dir: Path, out_csv: str | Path,
-                       device: str = "cpu", m_max: int = 1) -> list[dict[str, Any]]:
-    """Score the local tasks with the plain model of the store and through the runtime (budget ``m_max``) for every
-    policy; write the CSV."""
+                       device: str = "cpu", m_max: int | None = None) -> list[dict[str, Any]]:
+    """Score the local tasks with the plain model of the store and through the runtime (budget ``m_max``; default
+    the configured ``device.m_max`` on the reference storage: :func:`default_m_max`) for every policy; write the
+    CSV."""
     acc = settings["accuracy"]
     names, paths = task_paths(cfg, tasks_dir, acc.get("tasks"))
     limit = acc.get("limit")
@@ -195,6 +212,8 @@ def evaluate_offloaded(cfg: dict[str, Any], settings: dict[str, Any], model_name
     ref = _evaluate(plain, names, paths, limit, max_gen)
     ref_scores, ref_out = _scores(ref), _outputs(ref)
     storage = settings["reference_storage"]
+    if m_max is None:
+        m_max = default_m_max(settings, storage, None, None)
     rows = []
     for policy in acc["policies"]:
         key = POLICY[policy].provider
@@ -232,4 +251,4 @@ def _capacity(settings: dict[str, Any], store: Any, top_k: int) -> int:
     return cache_capacity(settings, store.total_experts, int(top_k))
 
 
-__all__ = ["ACCURACY_COLUMNS", "OffloadedLM", "evaluate_offloaded"]
+__all__ = ["ACCURACY_COLUMNS", "OffloadedLM", "default_m_max", "evaluate_offloaded"]

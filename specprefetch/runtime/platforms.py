@@ -16,18 +16,30 @@ Snapdragon 8 Elite (paper §4.1, §4.4, Figure 1a, Table 4), running 4-bit DeepS
 
 Every other number the simulator reports for this platform (PRED0, SpecPrefetch, Naive, the M_max sweep, the
 storage profiles, ReadyRecall) is a prediction, to be compared with Tables 4-5 and Figures 4-5.
+
+Its budget (:func:`platform_m_max`) is ``device.simulator.m_max``: an integer, or ``auto`` -- the window rule of
+:mod:`~specprefetch.runtime.budget` applied to the platform itself, as ``profile_window`` applies it to this
+machine: the window ``W_l = t_exec(l+1) - t_pred(l) - stall_l`` of the compute profile above (the time from the end
+of prediction to the next layer: post-prediction, MoE compute and the gap, 10.66 ms per layer) over each storage's
+per-expert transfer time in the simulator's device model (latency + 1.94 MB / bandwidth; the fitted bandwidth on
+NVMe). The paper's phone runs at M_max = 8 (Table 5), which the rule does not give with the fitted NVMe: an
+expert takes a few milliseconds there (on synthetic routing at the default geometry the fit gives 340-840 MB/s,
+so ``auto`` gives 1-4), so the profiles keep 8 as ``device.simulator.m_max``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from specprefetch.contracts import EMULATED
 from specprefetch.io import SpecPrefetchError
+from specprefetch.runtime.budget import AUTO, budget_storages, is_auto, window_budgets
 from specprefetch.runtime.simulator import ComputeProfile, SimSequence, simulate
-from specprefetch.runtime.storage import StorageProfile
+from specprefetch.runtime.storage import StorageProfile, make_profile
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +55,6 @@ SNAPDRAGON_8_ELITE: dict[str, Any] = {
     "book_ms": 0.02,
     "nvme_latency_ms": 0.1,
     "io_workers": 4,
-    "m_max": 8,                         # the paper's profiled budget
 }
 PLATFORMS = {"snapdragon_8_elite": SNAPDRAGON_8_ELITE}
 
@@ -95,3 +106,38 @@ def calibrate_bandwidth(p: dict[str, Any], sequences: Sequence[SimSequence], cap
         if progress:
             progress(i)
     return math.exp((lo + hi) / 2)
+
+
+def platform_storage(p: dict[str, Any], name: str, settings: dict[str, Any], bandwidth_mbps: float) -> StorageProfile:
+    """The platform's device model of storage ``name``: its NVMe at the fitted bandwidth for ``nvme_cold``, the
+    emulated profiles at its expert size, RAM (no transfer time) otherwise."""
+    if name == "nvme_cold":
+        return nvme_profile(p, bandwidth_mbps)
+    if name in EMULATED:
+        return make_profile(name, settings, int(p["expert_mb"] * 1e6))
+    return StorageProfile(name, "ram")
+
+
+def platform_windows_ms(compute: ComputeProfile) -> dict[int, float]:
+    """W_l (ms) of every layer that prefetches (all but the last) in the simulator on this compute profile:
+    t_exec(l+1) - t_pred(l) - stall_l = post-prediction + MoE compute + the gap to the next layer."""
+    n = len(compute.moe_s)
+    return {l: (compute.post_pred_s[l] + compute.moe_s[l] + compute.gap_s[l]) * 1e3 for l in range(n - 1)}
+
+
+def platform_m_max(p: dict[str, Any], settings: dict[str, Any], bandwidth_mbps: float, compute: ComputeProfile,
+                   n_experts: int) -> int | dict[str, int]:
+    """The simulated platform's budget: ``device.simulator.m_max`` when an integer, else per storage (the
+    reference is the platform's NVMe) the window rule on the platform's median window and that storage's
+    per-expert transfer time in the device model (see the module docstring)."""
+    setting = settings["simulator"]["m_max"]
+    if not is_auto(setting, "device.simulator.m_max"):
+        return int(setting)
+    windows = platform_windows_ms(compute)
+    storages = budget_storages({**settings, "reference_storage": "nvme_cold"})
+    transfer_ms = {st: platform_storage(p, st, settings, bandwidth_mbps).transfer_s() * 1e3 for st in storages}
+    window_ms = statistics.median(windows.values()) if windows else float("nan")
+    per_storage, _ = window_budgets(AUTO, window_ms, windows, transfer_ms, n_experts)
+    log.info("%s: window %.2f ms, per-expert transfer %s ms -> M_max %s", p["name"], window_ms,
+             {st: round(t, 3) for st, t in transfer_ms.items()}, per_storage)
+    return per_storage

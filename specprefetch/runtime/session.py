@@ -24,6 +24,7 @@ from torch import nn
 
 from specprefetch.contracts import POLICY
 from specprefetch.io import SpecPrefetchError
+from specprefetch.runtime.budget import run_budget
 from specprefetch.runtime.cache import SlotPool
 from specprefetch.runtime.decode import Generation, Prefilled, Prompt, greedy_generate, prefill
 from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions, install_offloaded, resident_pool
@@ -137,12 +138,12 @@ class Harness:
     def runtime(self, policy: str, storage: str, m_max: int = 0, compute_opt: bool = True, record: bool = False,
                 preload: bool = False, capacity: int | None = None, topm_absent: tuple[int, ...] = (),
                 layer_m_max: tuple[int, ...] = ()) -> OffloadedRuntime:
-        """A fresh runtime for one run of ``policy`` on ``storage`` (not installed)."""
-        budgeted = POLICY[policy].budgeted
+        """A fresh runtime for one run of ``policy`` on ``storage`` (not installed); its budget is
+        :func:`~specprefetch.runtime.budget.run_budget`'s (none for a policy without one)."""
+        budget = run_budget(policy, m_max, layer_m_max)
         if (preload or POLICY[policy].preload) and self._resident is None:
             self._resident = resident_pool(self.store, self.device)
-        opts = RuntimeOptions(policy=policy, m_max=m_max if budgeted else 0,
-                              layer_m_max=tuple(layer_m_max) if budgeted else (),
+        opts = RuntimeOptions(policy=policy, m_max=budget.m_max, layer_m_max=budget.layers,
                               capacity=capacity or self.capacity, compute_opt=compute_opt,
                               io_workers=int(self.settings["io_workers"]), io_retries=int(self.settings["io_retries"]),
                               record_routing=record, preload=preload, topm_absent=topm_absent)

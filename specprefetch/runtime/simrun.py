@@ -27,7 +27,13 @@ from tqdm import tqdm
 from specprefetch.contracts import EMULATED, RUN_COLUMNS
 from specprefetch.io import SpecPrefetchError, atomic_path
 from specprefetch.runtime.bench import Signature, parse_layer_budgets, plan_experiments, write_runs_csv
-from specprefetch.runtime.platforms import calibrate_bandwidth, compute_profile_of, nvme_profile, platform_profile
+from specprefetch.runtime.platforms import (
+    calibrate_bandwidth,
+    compute_profile_of,
+    nvme_profile,
+    platform_m_max,
+    platform_profile,
+)
 from specprefetch.runtime.simulator import (
     ComputeProfile,
     SimSequence,
@@ -223,7 +229,7 @@ def simulate_platform(platform: str, model: str, arch: str, trace_readers: Seque
     compute = compute_profile_of(p, n_layers)
     bw = calibrate_bandwidth(p, base, capacity, n_experts, top_k, compute)
     log.info("%s: NVMe bandwidth fitted to OFF = %.3f tok/s: %.0f MB/s", platform, p["off_tokens_per_s"], bw)
-    m_max = int(p["m_max"])
+    m_max = platform_m_max(p, settings, bw, compute, n_experts)  # runtime.budget's rule or the configured one
     s = {**settings, "reference_storage": "nvme_cold"}
     plan = plan_experiments(s, m_max, [e for e in experiments if e not in ("component", "budget")])
     rows = []

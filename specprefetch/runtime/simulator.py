@@ -32,6 +32,7 @@ from torch import Tensor
 
 from specprefetch.contracts import POLICIES, POLICY
 from specprefetch.io import SpecPrefetchError
+from specprefetch.runtime.budget import layer_budget
 from specprefetch.runtime.cache import ExpertCache, Key
 from specprefetch.runtime.layer import acquire, begin_layer, issue_prefetches
 from specprefetch.runtime.priority import PreviousTokenPriority
@@ -297,7 +298,7 @@ def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity
         for st in seq.steps:
             step += 1
             for l in range(n_layers):
-                budget = layer_m_max[l + 1] if l + 1 < len(layer_m_max) else m_max
+                budget = layer_budget(m_max, layer_m_max, l + 1)
                 t = _layer(l, st, step, t, io, cache, events, issued, policy, predicting, naive, budget,
                            n_experts, n_layers, compute, compute_opt, sync)
                 t += compute.gap_s[l] if l + 1 < n_layers else compute.head_s

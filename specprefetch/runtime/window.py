@@ -12,8 +12,9 @@ Measured on the current platform with the real runtime:
 - event-level candidate demand (Figure 1b): in the same run (bounded cache, reference storage), the number of the
   top-M predicted experts not available at ``t_pred`` times the per-expert transfer time, paired with the
   same event's window;
-- ``M_max = max(1, floor(median W_l / t_transfer))`` per storage (or the configured integer): as many experts as the
-  storage delivers within the window. ``t_transfer`` is the per-expert transfer time *inside the runtime*
+- ``M_max = max(1, floor(median W_l / t_transfer))`` per storage (or the configured integer; the rule and every
+  other budget decision are :mod:`specprefetch.runtime.budget`'s): as many experts as the storage delivers within
+  the window. ``t_transfer`` is the per-expert transfer time *inside the runtime*
   (:func:`service_transfer_ms`: in a prefetching run at M = K, the time the storage was serving some transfer in a
   decoding step divided by the transfers it served, median over steps), which includes the runtime's concurrency
   (its I/O workers' requests overlap on a device that serves several at once), queueing, I/O-thread wake-ups and
@@ -36,6 +37,7 @@ import statistics
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ from torch import nn
 
 from specprefetch.contracts import EMULATED, LATENCY_PARTS
 from specprefetch.io import atomic_path, provenance, write_json_atomic
+from specprefetch.runtime.budget import RULE, budget_storages, derive_m_max, is_auto, window_budgets
 from specprefetch.runtime.session import Harness, RunResult
 from specprefetch.runtime.storage import ExpertReader, host_buffer, make_profile, measure_transfer_ms
 from specprefetch.runtime.timeline import LayerEvent
@@ -307,27 +310,86 @@ def service_transfer_ms(res: RunResult) -> float:
     return statistics.median(per_step) * 1e3 if per_step else float("nan")
 
 
-def derive_m_max(window_ms: float, transfer_ms: float, n_experts: int) -> int:
-    if transfer_ms <= 0 or not math.isfinite(window_ms):
-        return n_experts
-    return int(min(n_experts, max(1, math.floor(window_ms / transfer_ms))))
-
-
-# ------------------------------------------------------------------------------------------ the rule
+# ------------------------------------------------------------------------------------------ the profile
 def profile_window(harness: Harness, model_name: str, platform: str, out_dir: str | Path,
                    config_fragment: Any = None) -> dict[str, Any]:
     """Measure everything above and write the four outputs into ``out_dir`` (atomically)."""
     settings = harness.settings
     wcfg = settings["window"]
-    ref = settings["reference_storage"]
-    n_layers, n_experts = len(harness.blocks), harness.store.n_experts
     prompts = harness.prompts[: int(wcfg["n_prompts"])]
     demand_m = tuple(int(m) for m in wcfg["demand_m"])
-    has_pred = "specprefetch" in harness.providers
 
-    # warm-up (allocator, lazy inits), not recorded
-    harness.run("resident", "ram", prompts=prompts[:1], max_new_tokens=4)
+    harness.run("resident", "ram", prompts=prompts[:1], max_new_tokens=4)  # warm-up (allocator, lazy inits)
+    lat = _time_layers(harness, prompts)
+    win = _measure_windows(harness, prompts, demand_m, lat.resident)
+    xfer = _measure_transfers(harness, prompts)
+    n_experts = harness.store.n_experts
+    per_storage, per_layer = window_budgets(settings["m_max"], win.median_ms, win.layer_median_ms, xfer.used_ms,
+                                            n_experts)
+    ref = settings["reference_storage"]
+    t_ref = xfer.used_ms[ref]
+    cpu_ms = {st: transfer_cpu_ms(harness, st) for st in ("nvme_cold", "ram")}
+    window_rows = [{"platform": platform, "model": model_name, "layer": layer + 1,
+                    "window_ms": statistics.fmean(ws), "transfer_ms": t_ref,
+                    "m_max": derive_m_max(win.layer_median_ms[layer], t_ref, n_experts)}
+                   for layer, ws in sorted(win.per_layer.items())]
+    event_rows = _event_rows(win, demand_m, t_ref, platform, model_name)
+    latency_rows = [{"platform": platform, "model": model_name, "mode": mode, "layer": layer, "component": comp,
+                     "ms": statistics.fmean(vals)}
+                    for mode, comps in (("resident", lat.resident_parts), ("on_demand", lat.on_demand_parts))
+                    for (layer, comp), vals in sorted(comps.items())]
+    profile = {
+        "format": "specprefetch-window-profile/1",
+        "platform": platform, "model": model_name, "reference_storage": ref,
+        "n_layers": len(harness.blocks), "n_experts": n_experts, "top_k": int(harness.spec.top_k),
+        "record_bytes": harness.store.record_bytes, "payload_bytes": harness.store.layout.payload_bytes,
+        "cache_capacity_experts": lat.capacity, "io_workers": int(settings["io_workers"]),
+        "expert_store": {k: harness.store.manifest.get(k) for k in
+                         ("hidden_size", "intermediate_size", "model_hidden_size", "quant", "dtype", "group_size",
+                          "paper_scale")},
+        **win.describe(ref),
+        "transfer_ms": xfer.table, "transfer_ms_isolated": xfer.table[ref]["transfer_ms"],
+        "transfer_ms_in_runtime": xfer.runtime_ms, "transfer_ms_used": xfer.used_ms, "m_max": per_storage[ref],
+        "m_max_per_storage": per_storage, "m_max_per_layer": per_layer,
+        "m_max_source": "profiled" if is_auto(settings["m_max"]) else "config", "m_max_rule": RULE,
+        "predictor_for_window": win.policy, "emulated_profiles": {
+            name: make_profile(name, settings, harness.store.layout.payload_bytes).describe() for name in EMULATED},
+        "emulation_overshoot_ms": {st: {"mean_ms": row["overshoot_ms_mean"], "p95_ms": row["overshoot_ms_p95"],
+                                        "pct_of_model": row["overshoot_pct_mean"]}
+                                   for st, row in xfer.table.items() if "overshoot_ms_mean" in row},
+        "transfer_cpu_ms": cpu_ms, "physical_model": xfer.physical, "disk_fluctuation": xfer.fluctuation,
+        "compute": {"opt": compute_profile(lat.resident.events, len(harness.blocks)),
+                    "loop": compute_profile(lat.resident_loop.events, len(harness.blocks)),
+                    "pred": compute_profile(win.window_run.events, len(harness.blocks))},
+        "demand_fraction_over_window": {
+            str(m): (sum(1 for r in event_rows if r["M"] == m and r["demand_ms"] > r["window_ms"])
+                     / max(1, sum(1 for r in event_rows if r["M"] == m))) for m in demand_m},
+        "provenance": provenance(config_fragment),
+    }
+    with atomic_path(Path(out_dir), is_dir=True) as tmp:
+        _write_csv(tmp / "window.csv", WINDOW_COLUMNS, window_rows)
+        _write_csv(tmp / "window_events.csv", EVENT_COLUMNS, event_rows)
+        _write_csv(tmp / "latency.csv", LATENCY_COLUMNS, latency_rows)
+        write_json_atomic(tmp / "profile.json", profile)
+    log.info("window %.3f ms (median %.3f), transfer %.3f ms on %s -> M_max = %d; per storage %s", win.mean_ms,
+             win.median_ms, t_ref, ref, per_storage[ref], per_storage)
+    return profile
 
+
+@dataclass
+class _Layers:
+    """Per-layer latency by component (Figure 1a), resident and on demand, and the all-resident runs."""
+
+    resident: RunResult
+    resident_loop: RunResult
+    resident_parts: dict[tuple[int, str], list[float]]
+    on_demand_parts: dict[tuple[int, str], list[float]]
+    capacity: int
+
+
+def _time_layers(harness: Harness, prompts: list[Any]) -> _Layers:
+    """Time every layer's components with every expert resident and with on-demand loads from the reference
+    storage (forward hooks), then the all-resident run without compute_opt (the simulator's ``loop`` compute)."""
     log.info("timing resident and on-demand layers")
     timer = LayerTimer(harness.model, harness.blocks, sync=harness.device.type == "cuda")
     try:
@@ -335,112 +397,115 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
         lat_res = timer.components(resident.events)
         timer.times.clear()
         capacity = harness.capacity
-        on_demand = harness.run("off", ref, compute_opt=True, prompts=prompts, on_runtime=timer.attach)
+        on_demand = harness.run("off", harness.settings["reference_storage"], compute_opt=True, prompts=prompts,
+                                on_runtime=timer.attach)
         lat_dem = timer.components(on_demand.events)
     finally:
         timer.remove()
     resident_loop = harness.run("resident", "ram", compute_opt=False, prompts=prompts)
+    return _Layers(resident, resident_loop, lat_res, lat_dem, capacity)
 
+
+@dataclass
+class _Windows:
+    """The prefetch windows W_l of the offloaded run on the reference storage (and of the resident one)."""
+
+    policy: str                                  # the predicting policy the windows were measured with
+    window_run: RunResult                        # every expert resident
+    candidates: RunResult                        # offloaded, reference storage, Top-M absent recorded
+    windows: dict[tuple[int, int], float]        # (step, layer) -> W in ms, offloaded run
+    per_layer: dict[int, list[float]]            # layer -> its events' W
+    resident_ms: list[float]                     # W of the resident run's events
+
+    @property
+    def all_ms(self) -> list[float]:
+        return [w for ws in self.per_layer.values() for w in ws]
+
+    @property
+    def mean_ms(self) -> float:
+        return statistics.fmean(self.all_ms) if self.all_ms else float("nan")
+
+    @property
+    def median_ms(self) -> float:
+        """The budget's window: the median, robust to background load."""
+        return statistics.median(self.all_ms) if self.all_ms else float("nan")
+
+    @property
+    def layer_median_ms(self) -> dict[int, float]:
+        return {layer: statistics.median(ws) for layer, ws in self.per_layer.items()}
+
+    def describe(self, ref: str) -> dict[str, Any]:
+        """profile.json's window keys."""
+        return {
+            "window_ms_mean": self.mean_ms, "window_ms_median": self.median_ms, "window_samples": len(self.all_ms),
+            "window_measured_in": f"{self.policy} on {ref} (t_exec(l+1) - t_pred(l) - stall(l))",
+            "window_ms_median_resident": statistics.median(self.resident_ms) if self.resident_ms else float("nan"),
+            "window_ms_per_layer": {str(k + 1): statistics.fmean(v) for k, v in self.per_layer.items()},
+            "window_ms_per_layer_median": {str(k + 1): v for k, v in self.layer_median_ms.items()},
+        }
+
+
+def _measure_windows(harness: Harness, prompts: list[Any], demand_m: tuple[int, ...],
+                     resident: RunResult) -> _Windows:
+    """W_l as the runtime experiences it: in the offloaded run on the reference storage with the predictor running
+    (its compute is the offloaded runtime's, slower on a shared host than with every expert resident); the resident
+    run's windows are reported next to it. Both must decode the resident run's tokens."""
     log.info("measuring the prefetch window")
-    pred_policy = "pred0" if has_pred else "naive"
-    window_run = harness.run(pred_policy, "ram", m_max=max(demand_m), preload=True, prompts=prompts)
-    candidates = harness.run(pred_policy, ref, m_max=max(demand_m), topm_absent=demand_m, prompts=prompts)
+    policy = "pred0" if "specprefetch" in harness.providers else "naive"
+    ref = harness.settings["reference_storage"]
+    window_run = harness.run(policy, "ram", m_max=max(demand_m), preload=True, prompts=prompts)
+    candidates = harness.run(policy, ref, m_max=max(demand_m), topm_absent=demand_m, prompts=prompts)
     if window_run.tokens() != resident.tokens() or candidates.tokens() != resident.tokens():
         raise RuntimeError("window profiling runs decoded different tokens: the runtime changed the outputs")
-    # the window as the runtime experiences it: in the offloaded run on the reference storage (its compute is the
-    # offloaded runtime's, slower on a shared host than with every expert resident); the resident one is reported
     windows = per_layer_windows(candidates.events)
-    resident_w = list(per_layer_windows(window_run.events).values())
     per_layer: dict[int, list[float]] = defaultdict(list)
     for (_step, layer), w in windows.items():
         per_layer[layer].append(w)
-    all_w = [w for ws in per_layer.values() for w in ws]
-    w_mean = statistics.fmean(all_w) if all_w else float("nan")
-    w_med = statistics.median(all_w) if all_w else float("nan")  # the budget's window: robust to background load
-    w_layer = {layer: statistics.median(ws) for layer, ws in per_layer.items()}
+    return _Windows(policy, window_run, candidates, windows, per_layer,
+                    list(per_layer_windows(window_run.events).values()))
 
+
+@dataclass
+class _Transfers:
+    """Per-expert transfer times of every storage: isolated (``table``), in the runtime, and the one the budget
+    uses (in the runtime when measured, else isolated); the physical disk's model and fluctuation."""
+
+    table: dict[str, dict[str, Any]]
+    runtime_ms: dict[str, float]
+    used_ms: dict[str, float]
+    physical: dict[str, float] | None
+    fluctuation: dict[str, Any] | None
+
+
+def _measure_transfers(harness: Harness, prompts: list[Any]) -> _Transfers:
+    """Isolated loads on every storage, then each storage's service time in a prefetching run at M = K."""
     log.info("measuring per-expert transfer times")
-    storages = list(dict.fromkeys([ref, settings["slow_storage"], *settings["storages"]]))
-    transfers = transfer_table(harness, storages, int(wcfg["transfer_samples"]))
-    xfer_policy = next(p for p in ("specprefetch", "fate", "naive") if p == "naive" or p in harness.providers)
-    t_eff: dict[str, float] = {}
-    for st in storages:  # the transfer as the runtime experiences it, on every storage
-        t_eff[st] = service_transfer_ms(harness.run(xfer_policy, st, m_max=int(harness.spec.top_k),
-                                                    prompts=prompts))
-    t_used = {st: (t_eff[st] if math.isfinite(t_eff[st]) else transfers[st]["transfer_ms"]) for st in storages}
-    t_ref = t_used[ref]
-    phys = physical_device_model(harness, transfers["nvme_cold"]["transfer_ms"]) if "nvme_cold" in transfers else None
-    fluct = read_fluctuation(harness.reader("nvme_cold")) if "nvme_cold" in transfers else None
-    auto = settings["m_max"] == "auto"
-    m_max_per_storage = {st: derive_m_max(w_med, t_used[st], n_experts) if auto else int(settings["m_max"])
-                         for st in storages}
-    m_max_per_layer = {st: [derive_m_max(w_layer[layer], t_used[st], n_experts) for layer in sorted(w_layer)]
-                       for st in storages}
-    m_max = m_max_per_storage[ref]
-    cpu_ms = {st: transfer_cpu_ms(harness, st) for st in ("nvme_cold", "ram")}
-    emulated = {name: make_profile(name, settings, harness.store.layout.payload_bytes).describe()
-                for name in EMULATED}
-    overshoot = {st: {"mean_ms": row["overshoot_ms_mean"], "p95_ms": row["overshoot_ms_p95"],
-                      "pct_of_model": row["overshoot_pct_mean"]}
-                 for st, row in transfers.items() if "overshoot_ms_mean" in row}
+    settings = harness.settings
+    storages = budget_storages(settings)
+    table = transfer_table(harness, storages, int(settings["window"]["transfer_samples"]))
+    policy = next(p for p in ("specprefetch", "fate", "naive") if p == "naive" or p in harness.providers)
+    runtime_ms = {st: service_transfer_ms(harness.run(policy, st, m_max=int(harness.spec.top_k), prompts=prompts))
+                  for st in storages}
+    used_ms = {st: (runtime_ms[st] if math.isfinite(runtime_ms[st]) else table[st]["transfer_ms"]) for st in storages}
+    cold = "nvme_cold" in table
+    phys = physical_device_model(harness, table["nvme_cold"]["transfer_ms"]) if cold else None
+    fluct = read_fluctuation(harness.reader("nvme_cold")) if cold else None
+    return _Transfers(table, runtime_ms, used_ms, phys, fluct)
 
-    out_dir = Path(out_dir)
-    window_rows = [{"platform": platform, "model": model_name, "layer": layer + 1,
-                    "window_ms": statistics.fmean(ws), "transfer_ms": t_ref,
-                    "m_max": derive_m_max(w_layer[layer], t_ref, n_experts)}
-                   for layer, ws in sorted(per_layer.items())]
-    event_rows = []
-    for ev in candidates.events:
-        w = windows.get((ev.step, ev.layer))
+
+def _event_rows(win: _Windows, demand_m: tuple[int, ...], t_ref: float, platform: str,
+                model: str) -> list[dict[str, Any]]:
+    """Figure 1(b): per decoding event and M, the transfer time of the Top-M experts absent at t_pred vs W."""
+    rows = []
+    for ev in win.candidates.events:
+        w = win.windows.get((ev.step, ev.layer))
         if ev.n_tokens != 1 or w is None:
             continue
         for m in demand_m:
             if m in ev.topm_absent:
-                event_rows.append({"platform": platform, "model": model_name, "layer": ev.layer + 1, "M": m,
-                                   "demand_ms": ev.topm_absent[m] * t_ref, "window_ms": w})
-    latency_rows = []
-    for mode, comps in (("resident", lat_res), ("on_demand", lat_dem)):
-        for (layer, comp), vals in sorted(comps.items()):
-            latency_rows.append({"platform": platform, "model": model_name, "mode": mode, "layer": layer,
-                                 "component": comp, "ms": statistics.fmean(vals)})
-    profile = {
-        "format": "specprefetch-window-profile/1",
-        "platform": platform, "model": model_name, "reference_storage": ref,
-        "n_layers": n_layers, "n_experts": n_experts, "top_k": int(harness.spec.top_k),
-        "record_bytes": harness.store.record_bytes, "payload_bytes": harness.store.layout.payload_bytes,
-        "cache_capacity_experts": capacity, "io_workers": int(settings["io_workers"]),
-        "expert_store": {k: harness.store.manifest.get(k) for k in
-                         ("hidden_size", "intermediate_size", "model_hidden_size", "quant", "dtype", "group_size",
-                          "paper_scale")},
-        "window_ms_mean": w_mean, "window_ms_median": w_med, "window_samples": len(all_w),
-        "window_measured_in": f"{pred_policy} on {ref} (t_exec(l+1) - t_pred(l) - stall(l))",
-        "window_ms_median_resident": statistics.median(resident_w) if resident_w else float("nan"),
-        "window_ms_per_layer": {str(k + 1): statistics.fmean(v) for k, v in per_layer.items()},
-        "window_ms_per_layer_median": {str(k + 1): v for k, v in w_layer.items()},
-        "transfer_ms": transfers, "transfer_ms_isolated": transfers[ref]["transfer_ms"],
-        "transfer_ms_in_runtime": t_eff, "transfer_ms_used": t_used, "m_max": m_max,
-        "m_max_per_storage": m_max_per_storage, "m_max_per_layer": m_max_per_layer,
-        "m_max_source": "profiled" if auto else "config",
-        "m_max_rule": "max(1, floor(median W / per-expert service time in the runtime)) per storage",
-        "predictor_for_window": pred_policy, "emulated_profiles": emulated,
-        "emulation_overshoot_ms": overshoot, "transfer_cpu_ms": cpu_ms,
-        "physical_model": phys, "disk_fluctuation": fluct,
-        "compute": {"opt": compute_profile(resident.events, n_layers),
-                    "loop": compute_profile(resident_loop.events, n_layers),
-                    "pred": compute_profile(window_run.events, n_layers)},
-        "demand_fraction_over_window": {
-            str(m): (sum(1 for r in event_rows if r["M"] == m and r["demand_ms"] > r["window_ms"])
-                     / max(1, sum(1 for r in event_rows if r["M"] == m))) for m in demand_m},
-        "provenance": provenance(config_fragment),
-    }
-    with atomic_path(out_dir, is_dir=True) as tmp:
-        _write_csv(tmp / "window.csv", WINDOW_COLUMNS, window_rows)
-        _write_csv(tmp / "window_events.csv", EVENT_COLUMNS, event_rows)
-        _write_csv(tmp / "latency.csv", LATENCY_COLUMNS, latency_rows)
-        write_json_atomic(tmp / "profile.json", profile)
-    log.info("window %.3f ms (median %.3f), transfer %.3f ms on %s -> M_max = %d; per storage %s", w_mean, w_med,
-             t_ref, ref, m_max, m_max_per_storage)
-    return profile
+                rows.append({"platform": platform, "model": model, "layer": ev.layer + 1, "M": m,
+                             "demand_ms": ev.topm_absent[m] * t_ref, "window_ms": w})
+    return rows
 
 
 def _write_csv(path: Path, columns: list[str], rows: list[dict[str, Any]]) -> None:

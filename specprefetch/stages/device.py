@@ -25,7 +25,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from specprefetch.contracts import ContractError, read_doc
 from specprefetch.io import SpecPrefetchError, seed_everything, write_json_atomic
 from specprefetch.stages.common import add_model_args, load_args_config, parse_predictor_args
 
@@ -87,15 +86,9 @@ def _fragment(cfg: dict[str, Any], model: str) -> dict[str, Any]:
 
 def _window_profile(window: Path, model: str) -> dict[str, Any]:
     """``profile-window``'s profile.json for ``model`` (a clear error when missing, malformed or another model's)."""
-    path = Path(window) / "profile.json"
-    try:
-        profile = read_doc(path, None, "window profile")
-    except ContractError as exc:
-        why = str(exc).removeprefix(f"{path}: ")
-        raise SpecPrefetchError(f"{path}: cannot read the window profile ({why}); run profile-window first") from None
-    if profile.get("model") != model:
-        raise SpecPrefetchError(f"{path} is for model {profile.get('model')!r}, not {model!r}")
-    return profile
+    from specprefetch.runtime.budget import read_window_profile
+
+    return read_window_profile(window, model)
 
 
 # ------------------------------------------------------------------------------------------ commands
@@ -225,15 +218,14 @@ def _cmd_collect(args: argparse.Namespace) -> None:
 
 
 def _cmd_evaluate_offloaded(args: argparse.Namespace) -> None:
-    from specprefetch.runtime.bench import resolve_m_max
+    from specprefetch.runtime.budget import storage_budgets
     from specprefetch.runtime.lm_eval_model import evaluate_offloaded
 
     env = _setup(args, need_prompts=False)
     settings = env["settings"]
-    if settings["m_max"] == "auto" and args.window is None:
-        raise SpecPrefetchError("device.m_max is auto: pass --window (a profile-window directory) for its M_max")
-    profile = _window_profile(args.window, args.model) if args.window is not None else {}
-    m_max = resolve_m_max(settings, profile)[settings["reference_storage"]]
+    profile = _window_profile(args.window, args.model) if args.window is not None else None
+    ref = settings["reference_storage"]
+    m_max = storage_budgets(settings, profile, [ref], need="--window (a profile-window directory)")[ref]
     evaluate_offloaded(env["cfg"], settings, args.model, env["bundle"], env["store"], env["providers"],
                        Path(args.tasks_dir), args.out, device=env["accel"], m_max=m_max)
 

@@ -1,0 +1,167 @@
+"""The prefetch budget M_max (paper §3.3), decided here and nowhere else.
+
+M_max bounds how many experts of layer ``l+1`` layer ``l`` may prefetch. Every caller (window profiling, the
+benchmarks, the harness, the runtime and the simulator, the simulated platforms, the lm-eval wrapper, the CLI and
+the scripts) asks this module:
+
+- **configured or auto**: a budget setting (``device.m_max``, ``device.simulator.m_max``) is an integer -- that
+  budget on every storage and every layer -- or ``auto``: the window rule below, per storage, read from the window
+  profile (:func:`storage_budgets`, :func:`layer_budgets`);
+- **the window rule** (:func:`derive_m_max`): ``M_max = max(1, floor(W / t_transfer))``, at most ``n_experts``: as many
+  experts as the storage delivers within the prefetch window ``W``. Per storage from the median window and that
+  storage's per-expert transfer time; per layer ``l`` (the layer prefetched into) from layer ``l-1``'s median window
+  (:func:`window_budgets`, which ``profile_window`` writes as ``m_max_per_storage`` / ``m_max_per_layer``);
+- **which policies have a budget** (:func:`has_budget`): those the ``Policy`` table marks ``budgeted`` (they select at
+  M_max; PRED0 selects and issues nothing); every other policy runs with budget 0 and no per-layer budgets
+  (:func:`run_budget`);
+- **per-layer budgets** are a tuple indexed by the layer prefetched into; index 0 (never prefetched into) holds the
+  storage's M_max; budgets equal to M_max in every layer are the one budget (``()``); :func:`layer_budget` is the
+  budget of one layer, as the runtime and the simulator apply it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specprefetch.contracts import POLICY, ContractError, read_doc
+from specprefetch.io import SpecPrefetchError
+
+AUTO = "auto"
+# profile.json's ``m_max_rule``: how the window profile's budgets were derived
+RULE = "max(1, floor(median W / per-expert service time in the runtime)) per storage"
+
+
+class BudgetError(SpecPrefetchError):
+    """A budget setting or the window profile it needs is unusable; the message names the key or storage."""
+
+
+def is_auto(setting: Any, key: str = "device.m_max") -> bool:
+    """True for ``auto`` (the window rule), False for a configured integer >= 0; anything else is an error."""
+    if setting == AUTO:
+        return True
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 0:
+        raise BudgetError(f"invalid config key {key!r}: {setting!r} (an integer >= 0 or 'auto')")
+    return False
+
+
+def derive_m_max(window_ms: float, transfer_ms: float, n_experts: int) -> int:
+    """The window rule: ``max(1, floor(window / transfer))``, at most ``n_experts``; a free transfer (<= 0) or an
+    unmeasured window gives ``n_experts`` (every expert fits)."""
+    if transfer_ms <= 0 or not math.isfinite(window_ms):
+        return n_experts
+    return int(min(n_experts, max(1, math.floor(window_ms / transfer_ms))))
+
+
+def window_budgets(setting: Any, window_ms: float, layer_window_ms: Mapping[int, float],
+                   transfer_ms: Mapping[str, float], n_experts: int,
+                   key: str = "device.m_max") -> tuple[dict[str, int], dict[str, list[int]]]:
+    """(per-storage, per-layer) budgets from measured windows: per storage the rule on the median window
+    ``window_ms`` with that storage's transfer time (or the configured integer); per layer the rule on each layer's
+    median window ``layer_window_ms[l]`` (l: the layer predicting, in order; always derived, so a profile shows what
+    auto would give)."""
+    auto = is_auto(setting, key)
+    per_storage = {st: derive_m_max(window_ms, t, n_experts) if auto else int(setting) for st, t in transfer_ms.items()}
+    per_layer = {st: [derive_m_max(layer_window_ms[layer], t, n_experts) for layer in sorted(layer_window_ms)]
+                 for st, t in transfer_ms.items()}
+    return per_storage, per_layer
+
+
+def read_window_profile(window_dir: str | os.PathLike, model: str | None = None) -> dict[str, Any]:
+    """``profile-window``'s ``profile.json`` in ``window_dir`` (the budgets' source when auto): one line naming the
+    file when it is missing or malformed, or is another model's than ``model``."""
+    path = Path(window_dir) / "profile.json"
+    try:
+        profile = read_doc(path, None, "window profile")
+    except ContractError as exc:
+        why = str(exc).removeprefix(f"{path}: ")
+        raise BudgetError(f"{path}: cannot read the window profile ({why}); run profile-window first") from None
+    if model is not None and profile.get("model") != model:
+        raise BudgetError(f"{path} is for model {profile.get('model')!r}, not {model!r}")
+    return profile
+
+
+def budget_storages(settings: Mapping[str, Any]) -> list[str]:
+    """The storages that get a budget: the reference, the slow and every benchmarked one (in that order)."""
+    return list(dict.fromkeys([settings["reference_storage"], settings["slow_storage"], *settings["storages"]]))
+
+
+def storage_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | None,
+                    storages: Iterable[str] | None = None, need: str = "a window profile") -> dict[str, int]:
+    """M_max per storage (default :func:`budget_storages`): ``device.m_max`` when an integer, else the window
+    profile's budget of each storage (``m_max_per_storage``). ``need`` says, in the error for an auto budget without
+    a profile, how the caller gets one (e.g. "--window (a profile-window directory)")."""
+    names = list(budget_storages(settings) if storages is None else storages)
+    if not is_auto(settings["m_max"]):
+        return {st: int(settings["m_max"]) for st in names}
+    if profile is None:
+        raise BudgetError(f"device.m_max is auto: its M_max comes from the window profile; give {need}")
+    per = profile.get("m_max_per_storage") or {}
+    missing = [st for st in names if st not in per]
+    if missing:
+        raise BudgetError(f"window profile has no M_max for storage {', '.join(missing)}: rerun profile-window")
+    return {st: int(per[st]) for st in names}
+
+
+def layer_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any],
+                  budgets: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
+    """Per-layer budgets per storage of ``budgets`` (index: the layer prefetched into; layer 0's is the storage's
+    M_max): the window profile's ``m_max_per_layer`` when the budget is auto; none (the one budget) for a configured
+    integer or a storage the profile has no per-layer budgets for."""
+    if not is_auto(settings["m_max"]):
+        return {}
+    per = profile.get("m_max_per_layer") or {}
+    n_layers = int(profile.get("n_layers", 0))
+    out = {}
+    for st, m in budgets.items():
+        layers = per.get(st)
+        if layers is None:
+            continue
+        if len(layers) != n_layers - 1:
+            raise BudgetError(f"window profile's m_max_per_layer[{st!r}] has {len(layers)} layers, expected "
+                              f"{n_layers - 1}: rerun profile-window")
+        out[st] = (m, *(int(x) for x in layers))
+    return out
+
+
+def has_budget(policy: str) -> bool:
+    """Whether runs of ``policy`` have a budget (the ``Policy`` table's ``budgeted``: they select at M_max)."""
+    if policy not in POLICY:
+        raise BudgetError(f"unknown policy {policy!r}; known: {', '.join(POLICY)}")
+    return POLICY[policy].budgeted
+
+
+@dataclass(frozen=True)
+class RunBudget:
+    """What the runtime is given: the budget and the per-layer budgets (``()``: ``m_max`` in every layer)."""
+
+    m_max: int
+    layers: tuple[int, ...] = ()
+
+    def of(self, layer: int) -> int:
+        """The budget of the prefetches into ``layer``."""
+        return layer_budget(self.m_max, self.layers, layer)
+
+
+def run_budget(policy: str, m_max: int, layer_m_max: Sequence[int] = ()) -> RunBudget:
+    """The budget a run of ``policy`` uses: 0 and no per-layer budgets for a policy without one; per-layer budgets
+    equal to ``m_max`` in every layer prefetched into are the one budget."""
+    if not has_budget(policy):
+        return RunBudget(0)
+    layers = tuple(int(m) for m in layer_m_max)
+    if all(m == int(m_max) for m in layers[1:]):
+        layers = ()
+    return RunBudget(int(m_max), layers)
+
+
+def layer_budget(m_max: int, layer_m_max: Sequence[int], layer: int) -> int:
+    """M_max of the prefetches into ``layer``: its per-layer budget when one is given, else ``m_max``."""
+    return int(layer_m_max[layer]) if 0 <= layer < len(layer_m_max) else int(m_max)
+
+
+__all__ = ["AUTO", "RULE", "BudgetError", "RunBudget", "budget_storages", "derive_m_max", "has_budget", "is_auto",
+           "layer_budget", "layer_budgets", "read_window_profile", "run_budget", "storage_budgets", "window_budgets"]

@@ -1,0 +1,194 @@
+"""The budget module (runtime/budget.py): auto vs a configured M_max, the window rule, per-storage and per-layer
+budgets, which policies have one, and the simulated platform's budget from the same rule."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from specprefetch.runtime.budget import (
+    BudgetError,
+    RunBudget,
+    budget_storages,
+    derive_m_max,
+    has_budget,
+    is_auto,
+    layer_budget,
+    layer_budgets,
+    read_window_profile,
+    run_budget,
+    storage_budgets,
+    window_budgets,
+)
+
+
+def _settings(m_max: Any = "auto", **over: Any) -> dict[str, Any]:
+    from specprefetch.config import section_defaults
+
+    return section_defaults("device", {"m_max": m_max, "reference_storage": "nvme_cold", "slow_storage": "slow_ufs",
+                                       "storages": ["nvme_cold", "nvme", "ufs"], **over})
+
+
+def _profile(**over: Any) -> dict[str, Any]:
+    return {"model": "m", "n_layers": 4, "m_max_per_storage": {"nvme_cold": 4, "slow_ufs": 1, "nvme": 7, "ufs": 3},
+            "m_max_per_layer": {"nvme_cold": [4, 4, 4], "nvme": [6, 7, 6]}, **over}
+
+
+def test_window_rule() -> None:
+    """max(1, floor(W / t)), at most n_experts; a free transfer or an unmeasured window gives every expert."""
+    assert derive_m_max(3.6, 7.0 / 3, 64) == 1 and derive_m_max(3.6, 0.5, 64) == 7
+    assert derive_m_max(3.6, 0.01, 6) == 6 and derive_m_max(0.2, 0.5, 64) == 1
+    assert derive_m_max(10.0, 0.0, 8) == 8 and derive_m_max(float("nan"), 1.0, 8) == 8
+
+
+def test_auto_or_configured_setting() -> None:
+    assert is_auto("auto") and not is_auto(0) and not is_auto(5)
+    for bad in ("8", -1, True, 2.5, None):
+        with pytest.raises(BudgetError, match=r"invalid config key 'device.simulator.m_max'"):
+            is_auto(bad, "device.simulator.m_max")
+
+
+def test_per_storage_budgets() -> None:
+    """A configured integer is every storage's budget (no profile needed); auto reads the profile's per storage;
+    auto without a profile, or a profile missing a storage, is one line naming what is missing."""
+    assert budget_storages(_settings()) == ["nvme_cold", "slow_ufs", "nvme", "ufs"]
+    assert storage_budgets(_settings(5), None) == {"nvme_cold": 5, "slow_ufs": 5, "nvme": 5, "ufs": 5}
+    assert storage_budgets(_settings(), _profile()) == {"nvme_cold": 4, "slow_ufs": 1, "nvme": 7, "ufs": 3}
+    assert storage_budgets(_settings(), _profile(), ["ufs"]) == {"ufs": 3}
+    with pytest.raises(BudgetError, match=r"device.m_max is auto: .*give --window"):
+        storage_budgets(_settings(), None, need="--window")
+    with pytest.raises(BudgetError, match=r"^window profile has no M_max for storage slow_ufs, ufs: rerun profile-w"):
+        storage_budgets(_settings(), _profile(m_max_per_storage={"nvme_cold": 4, "nvme": 7}))
+
+
+def test_per_layer_budgets() -> None:
+    """Auto: the profile's per-layer budgets, index 0 the storage's M_max; none for a configured integer or a storage
+    without them; a profile with another layer count is one error."""
+    m = storage_budgets(_settings(), _profile())
+    assert layer_budgets(_settings(), _profile(), m) == {"nvme_cold": (4, 4, 4, 4), "nvme": (7, 6, 7, 6)}
+    assert layer_budgets(_settings(5), _profile(), {"nvme": 5}) == {}
+    with pytest.raises(BudgetError, match=r"m_max_per_layer\['nvme_cold'\] has 3 layers, expected 5"):
+        layer_budgets(_settings(), _profile(n_layers=6), m)
+
+
+def test_window_budgets_per_storage_and_layer() -> None:
+    """profile_window's budgets: per storage the rule on the median window (or the configured integer), per layer
+    the rule on each layer's window in layer order, whatever the setting."""
+    per, layers = window_budgets("auto", 10.0, {1: 4.0, 0: 9.0}, {"a": 2.0, "b": 0.5}, 16)
+    assert per == {"a": 5, "b": 16} and layers == {"a": [4, 2], "b": [16, 8]}
+    per, layers = window_budgets(3, 10.0, {0: 9.0, 1: 4.0}, {"a": 2.0}, 16)
+    assert per == {"a": 3} and layers == {"a": [4, 2]}
+
+
+def test_policies_without_a_budget_get_zero() -> None:
+    """Only policies that select at M_max have a budget (the Policy table's flag); the others run at 0 with no
+    per-layer budgets; per-layer budgets equal to M_max in every layer prefetched into are the one budget."""
+    from specprefetch.runtime.bench import RunConfig
+
+    assert [p for p in ("off", "pred0", "specprefetch", "naive", "fate", "resident") if has_budget(p)] == [
+        "pred0", "specprefetch", "naive", "fate"]
+    with pytest.raises(BudgetError, match=r"unknown policy 'nope'"):
+        has_budget("nope")
+    assert run_budget("off", 5, (5, 3, 2)) == run_budget("resident", 5) == RunBudget(0, ())
+    assert run_budget("pred0", 5, (2, 5, 5)) == RunBudget(5, ())
+    assert run_budget("specprefetch", 5, (5, 3, 5)) == RunBudget(5, (5, 3, 5))
+    for pol, layers in (("off", (4, 2, 4)), ("specprefetch", (4, 2, 4)), ("naive", (4, 4, 4))):
+        cfg = RunConfig("budget", pol, "nvme", 4, True, layers)
+        assert (cfg.budget, cfg.layers) == (run_budget(pol, 4, layers).m_max, run_budget(pol, 4, layers).layers)
+
+
+def test_layer_budget_in_runtime_options() -> None:
+    from specprefetch.runtime.engine import RuntimeOptions
+
+    assert layer_budget(4, (4, 1, 2), 2) == 2 and layer_budget(4, (), 2) == 4 and layer_budget(4, (4, 1), 5) == 4
+    assert RunBudget(4, (4, 1, 2)).of(1) == 1
+    opts = RuntimeOptions(policy="specprefetch", m_max=4, layer_m_max=(4, 1, 2))
+    assert [opts.budget_of(l) for l in range(3)] == [4, 1, 2]
+
+
+def test_window_profile_reader(tmp_path: Path) -> None:
+    with pytest.raises(BudgetError, match=r"nowhere/profile.json: cannot read the window profile"):
+        read_window_profile(tmp_path / "nowhere", "m")
+    (tmp_path / "profile.json").write_text(json.dumps(_profile()))
+    assert read_window_profile(tmp_path, "m")["n_layers"] == 4
+    with pytest.raises(BudgetError, match=r"is for model 'm', not 'other'"):
+        read_window_profile(tmp_path, "other")
+
+
+def test_lm_eval_default_budget(tmp_path: Path) -> None:
+    """The lm-eval wrapper's budget when none is given: the configured one, else the window profile's."""
+    from specprefetch.runtime.lm_eval_model import default_m_max
+
+    assert default_m_max(_settings(3), "ram", None, "m") == 3
+    (tmp_path / "profile.json").write_text(json.dumps(_profile()))
+    assert default_m_max(_settings(), "nvme", str(tmp_path), "m") == 7
+    with pytest.raises(BudgetError, match=r"give m_max= or window="):
+        default_m_max(_settings(), "nvme", None, "m")
+
+
+# ------------------------------------------------------------------------------------------ simulated platform
+def _phone() -> tuple[dict[str, Any], Any]:
+    from specprefetch.runtime.platforms import compute_profile_of, platform_profile
+
+    p = platform_profile("snapdragon_8_elite")
+    return p, compute_profile_of(p, 11)
+
+
+def test_platform_window_is_the_simulated_window() -> None:
+    """The phone's window is what window profiling would measure in the simulator: t_exec(l+1) - t_pred(l) - stall
+    of a PRED0 run on its NVMe, equal in every layer (10.66 ms: 48 % of 266.5 ms over 12 decoder layers)."""
+    from specprefetch.runtime.platforms import nvme_profile, platform_windows_ms
+    from specprefetch.runtime.simulator import SimSequence, SimStep, simulate
+    from specprefetch.runtime.window import per_layer_windows
+
+    p, comp = _phone()
+    n, k, L = 64, 6, 11
+    g = torch.Generator().manual_seed(0)
+
+    def step() -> SimStep:
+        return SimStep(topk=[[torch.randperm(n, generator=g)[:k].tolist()] for _ in range(L)],
+                       scores=[torch.rand(n, generator=g) for _ in range(L - 1)] + [None])
+
+    res = simulate([SimSequence([step() for _ in range(6)])], "pred0", 4, 88, n, k, comp, nvme_profile(p, 600.0),
+                   p["io_workers"])
+    measured = per_layer_windows(res.events)
+    assert measured and all(w == pytest.approx(10.66, abs=0.01) for w in measured.values())
+    windows = platform_windows_ms(comp)
+    assert sorted(windows) == list(range(L - 1))
+    assert all(w == pytest.approx(v) for v in measured.values() for w in windows.values())
+
+
+def test_platform_budget_from_the_window_rule_or_the_config() -> None:
+    """``device.simulator.m_max``: the configured integer on every storage, or auto -- per storage, the median window
+    over the device model's per-expert time (latency + 1.94 MB / bandwidth)."""
+    from specprefetch.runtime.platforms import platform_m_max
+
+    p, comp = _phone()
+    s = _settings(simulator={"m_max": 8}, storages=["nvme_cold", "ram", "nvme", "ufs"])
+    assert platform_m_max(p, s, 600.0, comp, 64) == 8
+    auto = {**s, "simulator": {**s["simulator"], "m_max": "auto"}}
+    w = (1 - 0.52) / 3.753 / 12 * 1e3  # ms per decoder layer: 48 % of 266.5 ms over 12 layers
+    expect = {"nvme_cold": math.floor(w / (0.1 + 1.94e6 / 1940e6 * 1e3)),           # 1.1 ms -> 9
+              "slow_ufs": math.floor(w / (0.2 + 1.94e6 / 850e6 * 1e3)),             # UFS 2.1: 2.48 ms -> 4
+              "ram": 64, "nvme": math.floor(w / (0.08 + 1.94e6 / 4200e6 * 1e3)),    # 0.54 ms -> 19
+              "ufs": math.floor(w / (0.12 + 1.94e6 / 2100e6 * 1e3))}                # 1.04 ms -> 10
+    assert expect == {"nvme_cold": 9, "slow_ufs": 4, "ram": 64, "nvme": 19, "ufs": 10}
+    assert platform_m_max(p, auto, 1940.0, comp, 64) == expect
+    with pytest.raises(BudgetError, match=r"device.simulator.m_max"):
+        platform_m_max(p, {**s, "simulator": {"m_max": "eight"}}, 600.0, comp, 64)
+
+
+def test_profiles_keep_the_papers_phone_budget() -> None:
+    """The paper's phone runs at M_max = 8 (Table 5); every profile states it as a config override (the schema's
+    default is the window rule)."""
+    from specprefetch.config import REPO_ROOT, load_config, section_defaults
+    from specprefetch.runtime.settings import device_settings
+
+    assert section_defaults("device")["simulator"]["m_max"] == "auto"
+    for name in ("config", "paper", "smoke"):
+        assert device_settings(load_config(REPO_ROOT / "config" / f"{name}.yaml"))["simulator"]["m_max"] == 8
