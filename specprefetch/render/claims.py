@@ -238,14 +238,23 @@ class Stated:
 # --------------------------------------------------------------------------------------------- the claims file
 
 
-# Selector keys whose values are ids of a vocabulary: (what it is, its known ids, id -> the label cells carry).
-def _vocabularies() -> dict[str, tuple[str, Callable[[], Any], Callable[[str], Any]]]:
+def _vocabularies() -> dict[str, tuple[str, Mapping[str, Any]]]:
+    """Operand keys whose values are ids of a vocabulary: (what it is, id -> the label the cells carry). Read when a
+    file is loaded, so a method or policy registered since (a plugin) is known."""
     return {
-        "method": ("predictor method", lambda: list(METHOD_LABELS), lambda i: METHOD_LABELS[i]),
-        "policy": ("runtime policy", lambda: list(style.POLICY_LABELS), lambda i: style.POLICY_LABELS[i]),
-        "storage": ("storage", lambda: list(style.STORAGE_LABELS), lambda i: i),  # cells carry storage ids
-        "mode": ("latency mode", lambda: list(LATENCY_MODES), lambda i: i),
+        "method": ("predictor method", METHOD_LABELS),
+        "policy": ("runtime policy", style.POLICY_LABELS),
+        "storage": ("storage", {s: s for s in style.STORAGE_LABELS}),  # table and figure cells carry storage ids
+        "mode": ("latency mode", {m: m for m in LATENCY_MODES}),
     }
+
+
+def _dotted(path: Sequence[Any]) -> str:
+    """A key's path as the file spells it: ``cells[0].storage``."""
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
 
 
 SELECTOR_KEYS = ("policy", "method", "storage", "mode", "column", "compute_opt", "m_max")  # besides ``name``
@@ -308,9 +317,8 @@ def _schema_message(err: Any, raw: Mapping[str, Any], where: str) -> str:
         entry = (raw.get("claims") or [])[path[1]]
         cid = entry.get("id") if isinstance(entry, Mapping) else None
         who = f"claim {cid!r}" if isinstance(cid, str) else f"claims[{path[1]}]"
-        key = ".".join(map(str, path[2:])) or "<entry>"
-        return f"{where}: {who}: key {key!r}: {msg}"
-    return f"{where}: key {'.'.join(map(str, path)) or '<top level>'!r}: {msg}"
+        return f"{where}: {who}: key {_dotted(path[2:]) or '<entry>'!r}: {msg}"
+    return f"{where}: key {_dotted(path) or '<top level>'!r}: {msg}"
 
 
 def _validate_schema(raw: Mapping[str, Any], where: str) -> None:
@@ -332,19 +340,17 @@ def _selector(sel: Mapping[str, Any], who: str, key: str) -> Selector:
             continue
         v = sel[k]
         if k in vocab:
-            what, known, label = vocab[k]
-            if v not in known():
-                raise ClaimsError(f"{who}: key '{key}.{k}': unknown {what} {v!r} (known: {', '.join(known())})")
-            v = label(v)
+            v = _label(vocab[k], v, who, f"{key}.{k}")
         keys.append((k, v))
     return Selector(sel.get("name"), tuple(keys))
 
 
-def _method(value: str, who: str, key: str) -> str:
-    if value not in METHOD_LABELS:
-        raise ClaimsError(f"{who}: key {key!r}: unknown predictor method {value!r} (known: "
-                          f"{', '.join(METHOD_LABELS)})")
-    return METHOD_LABELS[value]
+def _label(vocab: tuple[str, Mapping[str, Any]], value: Any, who: str, key: str) -> Any:
+    """The label cells carry for an id of a vocabulary; an unknown id (a display label too) is the file's error."""
+    what, labels = vocab
+    if not isinstance(value, str) or value not in labels:
+        raise ClaimsError(f"{who}: key {key!r}: unknown {what} {value!r} (known: {', '.join(labels)})")
+    return labels[value]
 
 
 _SELECTOR_OPS = ("cell", "a", "b", "select", "target")
@@ -374,7 +380,7 @@ def _spec(entry: Mapping[str, Any], sources: Mapping[str, str], where: str) -> C
         elif k == "cells":
             v = [_selector(s, who, f"cells[{i}]") for i, s in enumerate(v)]
         elif k in _METHOD_OPS:
-            v = _method(v, who, k)
+            v = _label(_vocabularies()["method"], v, who, k)
         elif k == "budget":
             v = str(v)
         elif k == "stated":
