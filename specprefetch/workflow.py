@@ -26,7 +26,7 @@ import yaml
 from specprefetch.config import LEARNED_METHODS, device_settings, trains_online, validate_config
 from specprefetch.contracts import read_doc
 from specprefetch.io import config_hash, write_text_atomic
-from specprefetch.render.targets import RESULT_PATHS, out_dir
+from specprefetch.render.targets import ARCHIVE_SUBDIR, RESULT_PATHS, out_dir
 
 CORPUS = "corpus"
 # Expensive deterministic rules whose outputs `snakemake --cache` shares between working directories.
@@ -296,9 +296,13 @@ class Pipeline:
         return [self.disjointness_json, self.result_path("recall"), self.result_path("params"),
                 self.numbers_file("md"), self.numbers_file("json")]
 
-    def numbers_file(self, ext: str = "md") -> str:
-        """The measured numbers the docs cite, each with its source (``render.numbers``), beside the rendering."""
-        return f"{out_dir(self.cfg)}/numbers.{ext}"
+    def numbers_file(self, kind: str = "md") -> str:
+        """The measured numbers the docs cite, each with its source (``render.numbers``), beside the rendering:
+        ``md``, ``json``, or ``sim_validation`` (the simulator's validation, archived with the rendering inputs so
+        the page cites a file committed with it)."""
+        if kind == "sim_validation":
+            return f"{out_dir(self.cfg)}/{ARCHIVE_SUBDIR}/sim_validation.csv"
+        return f"{out_dir(self.cfg)}/numbers.{kind}"
 
     # ---------------------------------------------------------------- device (offloaded runtime)
     @cached_property

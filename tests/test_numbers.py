@@ -129,6 +129,26 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "n.md").exists()
 
 
+def test_cli_archives_the_simulator_validation_so_the_page_is_self_contained(tmp_path: Path) -> None:
+    """The rule's call: the simulator's validation is copied beside the archived CSVs and the page cites the copy,
+    so a committed page regenerates from the committed directory alone."""
+    tables = tmp_path / "paper_tables"
+    shutil.copytree(GOLDEN, tables)
+    sim = _write(tmp_path / "results" / "device" / "sim_validation.csv", "inputs,model,policy,metric,rel_error\n"
+                 "profile,m,fate,tokens_per_s,0.1\nprofile,m,fate,stall_ms,-0.3\n")
+    res = subprocess.run([sys.executable, "-m", "specprefetch", "write-numbers", "--tables-dir", str(tables),
+                          "--sim-validation", str(sim), "--archive-dir", str(tables / "results"),
+                          "--out", str(tables / "numbers.md")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (tables / "results" / "sim_validation.csv").read_bytes() == sim.read_bytes()
+    page = json.loads((tables / "numbers.json").read_text())
+    by = numbers_by_key(page)
+    assert by["sim.profile.m.tokens_per_s"]["source"] == "results/sim_validation.csv"
+    assert by["sim.profile.m.stall_ms"]["value"] == pytest.approx(30.0)
+    numbers, missing = collect_numbers(tables)  # no flags: everything from the directory itself
+    assert json.loads(json.dumps(numbers_json(numbers, missing))) == page
+
+
 @pytest.mark.parametrize("where, args", [
     ("paper_tables", {}),
     ("docs/precise-run", {"results_dir": "docs/precise-run"}),

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from specprefetch.contracts import check_csv, read_csv, read_doc, require
-from specprefetch.io import SpecPrefetchError, write_json_atomic, write_text_atomic
+from specprefetch.io import SpecPrefetchError, atomic_path, write_json_atomic, write_text_atomic
 from specprefetch.render.cells import Cell, TableDoc, read_table_doc
 
 NUMBERS_FORMAT = "specprefetch-numbers/1"
@@ -341,6 +342,17 @@ def render_markdown(numbers: Sequence[Number], missing: Iterable[str], title: st
     if missing:
         out += ["", "## Not available in this rendering", ""] + [f"- {m}" for m in missing]
     return "\n".join(out) + "\n"
+
+
+def archive_sim_validation(src: str | Path, archive_dir: str | Path) -> Path:
+    """Copy the simulator's validation CSV beside the archived result CSVs (``<out_dir>/results``), after checking it
+    has the columns the page reads, so a committed numbers page cites a file that is committed with it."""
+    src = Path(src)
+    read_csv(src, ("inputs", "model", "policy", "metric", "rel_error"), "simulator validation CSV")
+    target = Path(archive_dir) / "sim_validation.csv"
+    with atomic_path(target) as tmp:
+        shutil.copyfile(src, tmp)
+    return target
 
 
 def write_numbers(tables_dir: str | Path, out_md: str | Path, out_json: str | Path | None = None,

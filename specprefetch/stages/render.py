@@ -90,11 +90,15 @@ def _cmd_compare(args: argparse.Namespace) -> None:
 
 
 def _cmd_write_numbers(args: argparse.Namespace) -> None:
-    from specprefetch.render.numbers import write_numbers
+    from specprefetch.render.numbers import archive_sim_validation, write_numbers
 
     out_json = args.json or args.out.with_suffix(".json")
+    sim = args.sim_validation
+    if sim is not None and args.archive_dir is not None:  # cite the copy that is committed with the page
+        sim = archive_sim_validation(sim, args.archive_dir)
+        print(f"{sim}: archived")
     numbers = write_numbers(args.tables_dir, args.out, out_json, results_dir=args.results_dir,
-                            comparison=args.comparison, sim_validation=args.sim_validation, title=args.title)
+                            comparison=args.comparison, sim_validation=sim, title=args.title)
     print(f"{args.out}, {out_json}: {len(numbers)} numbers")
 
 
@@ -179,6 +183,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--comparison", type=Path, default=None, help="default <tables-dir>/comparison.json")
     p.add_argument("--sim-validation", type=Path, default=None,
                    help="the simulator's validation CSV (results/device/sim_validation.csv); optional")
+    p.add_argument("--archive-dir", type=Path, default=None,
+                   help="copy --sim-validation here first (e.g. paper_tables/results) and cite the copy")
     p.add_argument("--out", required=True, type=Path, help="the Markdown page, e.g. paper_tables/numbers.md")
     p.add_argument("--json", type=Path, default=None, help="the same records as JSON (default: --out with .json)")
     p.add_argument("--title", default="Measured numbers", help="the page's heading")

@@ -200,6 +200,7 @@ rule write_numbers:
     output:
         md=P.numbers_file("md"),
         json=P.numbers_file("json"),
+        sim_validation=P.numbers_file("sim_validation"),  # archived beside the other rendering inputs
     log:
         P.log_path("write_numbers", "numbers"),
     benchmark:
@@ -215,5 +216,5 @@ rule write_numbers:
         results_dir=lambda w, input: P.parent_dir(input.archived),
     shell:
         "{params.cli} write-numbers --tables-dir {params.tables_dir:q} --results-dir {params.results_dir:q} "
-        "--comparison {input.comparison:q} --sim-validation {input.sim_validation:q} --out {output.md:q} "
-        "--json {output.json:q} 2>&1 | tee {log:q}"
+        "--comparison {input.comparison:q} --sim-validation {input.sim_validation:q} "
+        "--archive-dir {params.results_dir:q} --out {output.md:q} --json {output.json:q} 2>&1 | tee {log:q}"
