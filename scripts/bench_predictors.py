@@ -24,11 +24,13 @@ from typing import Any
 
 import torch
 
+from specprefetch import registry
 from specprefetch.config import load_config, n_moe_layers
 from specprefetch.predictors import PredictorDims, build_predictor
 
 REPO = Path(__file__).resolve().parent.parent
-METHODS = ("specprefetch", "fate", "single_mlp", "promoe", "draft_model", "previous_token", "frequency")
+# Every method but those that read the routing they predict (the oracle): plugins included.
+METHODS = tuple(m.name for m in registry.methods().values() if not m.sees_future)
 
 
 def build_layer(mcfg: dict[str, Any]) -> tuple[torch.nn.Module, Any, torch.nn.Module]:

@@ -1,7 +1,9 @@
 """Load and validate a pipeline config (one YAML per profile).
 
-Structure is checked against ``workflow/schemas/config.schema.yaml`` with ``snakemake.utils.validate``;
-cross-field rules that a JSON schema cannot express are checked here. Every error names the key.
+Structure is checked against ``workflow/schemas/config.schema.yaml`` (jsonschema, defaults filled in), its
+vocabulary enums (methods, storages, policies, platforms, workload generators) filled from ``specprefetch.registry``
+so an installed predictor plugin is accepted; cross-field rules that a JSON schema cannot express are checked here.
+Every error names the key.
 """
 
 from __future__ import annotations
@@ -9,29 +11,26 @@ from __future__ import annotations
 import copy
 import functools
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from specprefetch import registry
 from specprefetch.contracts import EXPERIMENTS
 from specprefetch.io import SpecPrefetchError
+from specprefetch.registry import NameView, TableView
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
-# Model names of the methods, in the paper's order (tables and figures use this order and these names).
-METHOD_LABELS = {
-    "fate": "FATE",
-    "draft_model": "Draft Model",
-    "promoe": "ProMoE",
-    "single_mlp": "Single MLP",
-    "specprefetch": "SpecPrefetch",
-    "previous_token": "Naive Prefetch",
-    "frequency": "Frequency",
-    "oracle": "Oracle",
-}
-LEARNED_METHODS = ("specprefetch", "single_mlp", "promoe", "draft_model")
+# Display names of the methods (tables and figures use this order and these names) and the trained ones: live views
+# of specprefetch.registry, plugins included.
+METHOD_LABELS: Mapping[str, str] = TableView(lambda: {n: m.label for n, m in registry.methods().items()},
+                                             "predictor method")
+LEARNED_METHODS: Sequence[str] = NameView(lambda: [n for n, m in registry.methods().items() if m.learned],
+                                          "learned method")
 
 
 class ConfigError(SpecPrefetchError):
@@ -119,7 +118,11 @@ def validate_config(cfg: dict[str, Any], base_dir: Path | None = None) -> dict[s
     """
     if not isinstance(cfg, dict) or not cfg:
         raise ConfigError("invalid config: empty or not a mapping (pass --configfile config/config.yaml)")
-    _check_with_defaults(cfg, _schema())
+    try:
+        schema = _schema()
+    except registry.RegistryError as exc:  # an installed plugin that cannot be registered
+        raise ConfigError(f"invalid predictor plugin: {exc}") from None
+    _check_with_defaults(cfg, schema)
     check_semantics(cfg, base_dir or REPO_ROOT)
     return cfg
 
@@ -133,8 +136,67 @@ def section_defaults(name: str, value: dict[str, Any] | None = None) -> dict[str
     return out
 
 
-@functools.cache
+# Where each vocabulary's enum sits in the schema (a path of keys); config._schema fills them from the registry and
+# tests/test_registry.py checks that the file's literal enums are the registry's built-ins.
+SCHEMA_ENUMS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "methods": (("properties", "predictors", "properties", "methods", "items", "enum"),),
+    "storages": (("$defs", "storage", "enum"),),
+    "policies": (("$defs", "policy", "enum"),),
+    "platforms": (("$defs", "device", "properties", "simulator", "properties", "platforms", "items", "enum"),),
+    "workload_generators": (("$defs", "workload", "properties", "generator", "enum"),),
+    "corpus_sources": (("properties", "train_corpus", "properties", "mixture", "propertyNames", "enum"),),
+    "experiments": (("$defs", "device", "properties", "experiments", "items", "enum"),
+                    ("$defs", "device", "properties", "model_experiments", "additionalProperties", "items", "enum")),
+}
+STORAGE_PROFILES_PATH = ("$defs", "device", "properties", "storage_profiles", "properties")
+
+
+def vocabularies(plugins: bool = True) -> dict[str, list[str]]:
+    """The registry's names for each schema enum (``plugins=False``: the built-ins the schema file spells out)."""
+    methods = list(registry.method_names()) if plugins else [m.name for m in registry.BUILTIN_METHODS]
+    policies = list(registry.policies()) if plugins else [p.name for p in registry.BUILTIN_POLICIES]
+    return {"methods": methods, "storages": list(registry.storages()), "policies": policies,
+            "platforms": list(registry.PLATFORMS), "workload_generators": list(registry.WORKLOAD_GENERATORS),
+            "corpus_sources": list(registry.CORPUS_SOURCES), "experiments": list(EXPERIMENTS)}
+
+
+def storage_profile_defaults() -> dict[str, Any]:
+    """The schema's ``device.storage_profiles`` properties: one per emulated storage, its registry numbers the
+    default."""
+    return {s.name: {"$ref": "#/$defs/storage_profile",
+                     "default": {"bandwidth_mbps": s.bandwidth_mbps, "latency_ms": s.latency_ms}}
+            for s in registry.storages().values() if s.emulated}
+
+
+def schema_node(schema: dict[str, Any], path: tuple[str, ...]) -> Any:
+    node: Any = schema
+    for key in path:
+        node = node[key]
+    return node
+
+
 def _schema() -> dict[str, Any]:
+    """The schema file with its vocabulary enums filled from the registry (plugins included): rebuilt when the
+    registry is refreshed."""
+    key = registry._generation  # noqa: SLF001 - the registry's cache generation keys this derived table
+    if _SCHEMA_CACHE.get("generation") != key:
+        schema = copy.deepcopy(_schema_file())
+        for name, names in vocabularies().items():
+            for path in SCHEMA_ENUMS[name]:
+                schema_node(schema, path[:-1])[path[-1]] = list(names)
+        schema_node(schema, STORAGE_PROFILES_PATH[:-1])[STORAGE_PROFILES_PATH[-1]] = storage_profile_defaults()
+        section = schema_node(schema, ("properties", "predictors", "properties"))
+        for name in registry.method_names():  # a plugin's own config block: its predictor checks its keys
+            section.setdefault(name, {"type": "object"})
+        _SCHEMA_CACHE.update(generation=key, schema=schema)
+    return _SCHEMA_CACHE["schema"]
+
+
+_SCHEMA_CACHE: dict[str, Any] = {}
+
+
+@functools.cache
+def _schema_file() -> dict[str, Any]:
     return yaml.safe_load(SCHEMA_PATH.read_text())
 
 

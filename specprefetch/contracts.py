@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from specprefetch import registry
 from specprefetch.io import SpecPrefetchError, atomic_path
+from specprefetch.registry import NameView, Policy, TableView
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -35,35 +37,14 @@ CSV_FIELD_LIMIT = 1 << 20
 csv.field_size_limit(CSV_FIELD_LIMIT)
 
 
-# Vocabularies of the device stage: the runtime, its config section, runs.csv and the external-log schema.
-@dataclass(frozen=True)
-class Policy:
-    """What a runtime policy does: the one table the runtime, the simulator, the benchmarks and lm-eval read."""
-
-    name: str
-    predicts: bool                 # priorities for the next layer are computed (and the selection at M_max)
-    issues: bool                   # the selected experts are prefetched
-    provider: str | None = None    # the priority provider it needs (a --predictor key; None: none or built in)
-    preload: bool = False          # every expert resident before the run
-
-    @property
-    def budgeted(self) -> bool:
-        """Its runs have a budget M_max (PRED0 selects at M_max but issues nothing)."""
-        return self.predicts
-
-
-POLICY: dict[str, Policy] = {p.name: p for p in (
-    Policy("off", predicts=False, issues=False),
-    Policy("pred0", predicts=True, issues=False, provider="specprefetch"),
-    Policy("specprefetch", predicts=True, issues=True, provider="specprefetch"),
-    Policy("naive", predicts=True, issues=True),   # the previous token's experts: built in
-    Policy("fate", predicts=True, issues=True, provider="fate"),
-    Policy("resident", predicts=False, issues=False, preload=True),
-)}
-POLICIES = tuple(POLICY)
-PREDICTING = tuple(p for p, pol in POLICY.items() if pol.predicts)
-STORAGES = ("nvme_cold", "nvme", "ufs", "slow_ufs", "sdcard", "ram")
-EMULATED = ("nvme", "ufs", "slow_ufs", "sdcard")
+# Vocabularies of the device stage: the runtime, its config section, runs.csv and the external-log schema. Each is a
+# live view of its registry (specprefetch.registry), where every name is written once.
+POLICY: Mapping[str, Policy] = TableView(registry.policies, "runtime policy")
+POLICIES: Sequence[str] = NameView(registry.policies, "runtime policy")
+PREDICTING: Sequence[str] = NameView(lambda: [p for p, pol in registry.policies().items() if pol.predicts], "policy")
+STORAGES: Sequence[str] = NameView(registry.storages, "storage")
+EMULATED: Sequence[str] = NameView(lambda: [s for s, st in registry.storages().items() if st.emulated], "storage")
+METHODS: Sequence[str] = NameView(registry.methods, "predictor method")
 EXPERIMENTS = ("main", "matched", "sweep", "storage", "component", "budget")
 # latency.csv: the per-layer breakdown of Figure 1(a)
 LATENCY_MODES = ("resident", "on_demand")
@@ -275,7 +256,7 @@ class Column:
 
     name: str
     kind: str = "str"
-    allowed: tuple[str, ...] | None = None
+    allowed: Sequence[str] | None = None
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
@@ -285,14 +266,14 @@ class Column:
 
 CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
     "recall": (
-        Column("model"), Column("workload"), Column("method"), Column("M", "int", lo=1),
+        Column("model"), Column("workload"), Column("method", allowed=METHODS), Column("M", "int", lo=1),
         Column("expert_recall", "float", lo=0.0, hi=1.0), Column("n_tokens", "int", lo=0, lo_open=True),
     ),
     "per_layer": (
-        Column("model"), Column("workload"), Column("method"), Column("M", "int", lo=1),
+        Column("model"), Column("workload"), Column("method", allowed=METHODS), Column("M", "int", lo=1),
         Column("layer", "int", lo=0), Column("expert_recall", "float", lo=0.0, hi=1.0),
     ),
-    "params": (Column("model"), Column("method"), Column("trainable_params", "int", lo=0)),
+    "params": (Column("model"), Column("method", allowed=METHODS), Column("trainable_params", "int", lo=0)),
     "runs": (
         Column("platform"), Column("model"), Column("experiment", allowed=EXPERIMENTS),
         Column("policy", allowed=POLICIES), Column("storage", allowed=STORAGES),

@@ -23,7 +23,8 @@ from typing import Any
 
 import yaml
 
-from specprefetch.config import LEARNED_METHODS, device_settings, trains_online, validate_config
+from specprefetch import registry
+from specprefetch.config import device_settings, trains_online, validate_config
 from specprefetch.contracts import read_doc
 from specprefetch.io import config_hash, write_text_atomic
 from specprefetch.render.targets import ARCHIVE_SUBDIR, RESULT_PATHS, out_dir
@@ -283,7 +284,8 @@ class Pipeline:
         return f"results/recall/{model}/{workload}/{shard}.csv"
 
     def is_learned(self, method: str) -> bool:
-        return method in LEARNED_METHODS
+        """Trained (the registry's flag, plugins included), not fitted from statistics or built from the gates."""
+        return registry.method(method).learned
 
     # ---------------------------------------------------------------- targets
     def recall_csvs(self) -> list[str]:
@@ -325,8 +327,9 @@ class Pipeline:
 
     @property
     def device_predictors(self) -> list[str]:
-        """The learned predictors the runtime prefetches with."""
-        return [m for m in ("specprefetch", "fate") if m in self.methods]
+        """The predictors the runtime prefetches with: every runtime policy's provider (registry order: SpecPrefetch,
+        FATE, then plugins that declare a runtime policy) that the profile trains."""
+        return [m for m in registry.runtime_providers() if m in self.methods]
 
     def device_predictor_dirs(self, model: str) -> list[str]:
         return [self.predictor_dir(model, m) for m in self.device_predictors]

@@ -15,7 +15,7 @@ from conftest import REPO
 
 PACKAGE = REPO / "specprefetch"
 LAYERS = [("cli", "__main__"), ("stages", "workflow"), ("render",), ("runtime",), ("predictors",), ("metrics",),
-          ("traces",), ("models",), ("data",), ("config",), ("contracts",), ("io", "_lazy", "__init__")]
+          ("traces",), ("models",), ("data",), ("config",), ("contracts", "registry"), ("io", "_lazy", "__init__")]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 

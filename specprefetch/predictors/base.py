@@ -11,13 +11,14 @@ computed only from what is available at layer ``l`` (the oracle, an upper bound,
 - ``trainable_params()`` counts the parameters that require grad (Table 3), never a formula;
 - ``save(dir)`` / ``load_predictor(dir)`` persist ``predictor.safetensors`` + ``meta.json``.
 
-Methods register themselves with ``@register("name")``; ``build_predictor`` imports the method's module
-on demand so adding a method never touches this file.
+Methods are named in ``specprefetch.registry`` (a built-in registers its class with ``@register("name")`` when the
+module the registry names is imported) or come from another installed package through the entry-point group
+``specprefetch.predictors`` (a ``Predictor`` subclass with ``label`` and ``color``); ``predictor_class`` imports either
+on demand, so adding a method never touches this file.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -28,12 +29,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from specprefetch import registry
+from specprefetch.contracts import METHODS as METHODS  # every method name, plugins included (a live view)
 from specprefetch.contracts import PREDICTOR_FORMAT, load_safetensors, member, read_doc, require
 from specprefetch.io import SpecPrefetchError, atomic_path, sha256_file, write_json_atomic
 
 WEIGHTS_FILE = "predictor.safetensors"
 META_FILE = "meta.json"
-METHODS = ("specprefetch", "fate", "single_mlp", "promoe", "draft_model", "previous_token", "frequency", "oracle")
 Aggregate = Literal["token", "batch"]
 Batch = Mapping[str, Any]
 
@@ -108,10 +110,24 @@ def register(name: str) -> Callable[[type[Predictor]], type[Predictor]]:
 
 
 def predictor_class(method: str) -> type[Predictor]:
-    if method not in METHODS:
-        raise PredictorError(f"unknown predictor method {method!r}; known: {', '.join(METHODS)}")
+    """The class of ``method``: a built-in's module registers it on import; a plugin's entry point names it."""
     if method not in _REGISTRY:
-        importlib.import_module(f"specprefetch.predictors.{method}")
+        try:
+            spec = registry.method(method)
+        except registry.UnknownName as exc:
+            raise PredictorError(str(exc)) from None
+        obj = registry.import_target(spec)
+        if ":" in spec.target:  # a plugin: the entry point names the class itself
+            if not (isinstance(obj, type) and issubclass(obj, Predictor)):
+                raise PredictorError(f"method {method!r} ({spec.source}): {spec.target} is not a Predictor subclass")
+            if obj.learned != spec.learned:
+                raise PredictorError(f"method {method!r} ({spec.source}): learned={obj.learned} on the class, "
+                                     f"{spec.learned} in its registry entry")
+            obj.method = method
+            _REGISTRY[method] = obj
+        if method not in _REGISTRY:
+            raise PredictorError(f"method {method!r}: importing {spec.target} registered no class "
+                                 f"(@register({method!r}) missing)")
     return _REGISTRY[method]
 
 
@@ -199,6 +215,12 @@ class Predictor(nn.Module):
 
     method: ClassVar[str] = ""
     learned: ClassVar[bool] = True
+    # A plugin's registry metadata (built-ins have theirs in specprefetch.registry): its display label and #RRGGBB
+    # colour in every table and figure, and whether the runtime may prefetch with it (a policy of the same name;
+    # the class then implements ``layer_token_scores(layer, x)``).
+    label: ClassVar[str | None] = None
+    color: ClassVar[str | None] = None
+    runtime_policy: ClassVar[bool] = False
     # A zero priority means "not a candidate" (Naive Prefetch has only the previous token's K experts).
     empty_when_zero: ClassVar[bool] = False
 

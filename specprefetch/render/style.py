@@ -1,55 +1,37 @@
 """One place for every visual convention: method/policy colours and labels, storage names, figure size and fonts.
 
-Every table and figure takes its colours and names from here, so a method has the same colour in Figures 1-6 and
-the per-layer recall figure, and renaming a label changes it everywhere at once.
+Every table and figure takes its colours and names from here (and this from ``specprefetch.registry``), so a method
+has the same colour in Figures 1-6 and the per-layer recall figure, renaming a label changes it everywhere at once,
+and a name without a colour or label is an error, not a grey bar.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from specprefetch.config import METHOD_LABELS
+from specprefetch import registry
+from specprefetch.registry import NameView, TableView
 
-# Okabe-Ito (colour-blind safe) plus greys. Keys are both predictor method names (recall.csv) and runtime policy
-# names (runs.csv); a predictor and the runtime policy that uses it share a colour.
-PALETTE: dict[str, str] = {
-    "specprefetch": "#D55E00",  # vermillion: the paper's method stands out everywhere
-    "fate": "#0072B2",  # blue
-    "promoe": "#009E73",  # bluish green
-    "draft_model": "#E69F00",  # orange
-    "single_mlp": "#56B4E9",  # sky blue
-    "previous_token": "#CC79A7",  # reddish purple
-    "naive": "#CC79A7",  # Naive Prefetch = the previous token's experts
-    "frequency": "#8C6D31",  # brown
-    "oracle": "#000000",  # black
-    "off": "#7F7F7F",  # grey
-    "pred0": "#BDBDBD",  # light grey
-    "resident": "#3B3B3B",  # dark grey
-}
-
-POLICY_LABELS: dict[str, str] = {
-    "off": "OFF",
-    "pred0": "PRED0",
-    "specprefetch": "SpecPrefetch",
-    "naive": "Naive Prefetch",
-    "fate": "FATE",
-    "resident": "All resident",
-}
+# Colours and labels of methods, policies and storages are the registry's (one place for each name, plugins
+# included); these are live views of it. Okabe-Ito (colour-blind safe) plus greys. PALETTE's keys are both predictor
+# method names (recall.csv) and runtime policy names (runs.csv); a predictor and the runtime policy that uses it share
+# a colour.
+PALETTE: Mapping[str, str] = TableView(
+    lambda: {**{n: m.color for n, m in registry.methods().items()},
+             **{p: registry.policy_color(p) for p in registry.policies()}}, "method or policy")
+POLICY_LABELS: Mapping[str, str] = TableView(lambda: {p: registry.policy_label(p) for p in registry.policies()},
+                                             "runtime policy")
 # LaTeX forms where the paper typesets them differently from plain text.
-POLICY_LATEX: dict[str, str] = {**POLICY_LABELS, "pred0": r"PRED$_0$"}
-POLICY_ORDER = ["off", "pred0", "naive", "fate", "specprefetch", "resident"]
-METHOD_ORDER = list(METHOD_LABELS)
+POLICY_LATEX: Mapping[str, str] = TableView(
+    lambda: {p: pol.latex or registry.policy_label(p) for p, pol in registry.policies().items()}, "runtime policy")
+POLICY_ORDER: Sequence[str] = NameView(registry.policy_order, "runtime policy")
+METHOD_ORDER: Sequence[str] = NameView(registry.methods, "predictor method")
 
 # Fastest to slowest: the order of Figure 5's x axis.
-STORAGE_LABELS: dict[str, str] = {
-    "ram": "RAM",
-    "nvme": "NVMe",
-    "nvme_cold": "NVMe (cold)",
-    "ufs": "UFS",
-    "slow_ufs": "Slow UFS",
-    "sdcard": "SD card",
-}
-STORAGE_ORDER = list(STORAGE_LABELS)
+STORAGE_LABELS: Mapping[str, str] = TableView(
+    lambda: {s: registry.storage(s).label for s in registry.storage_order()}, "storage")
+STORAGE_ORDER: Sequence[str] = NameView(registry.storage_order, "storage")
 
 LATENCY_COMPONENTS: dict[str, tuple[str, str]] = {  # component -> (label, colour), bottom of the stack first
     "attention": ("Attention", "#0072B2"),
@@ -65,17 +47,22 @@ TEXT_WIDTH_IN = 7.0
 
 
 def method_label(method: str) -> str:
-    """Display name of a predictor method or runtime policy (falls back to the raw name, never fails)."""
-    return METHOD_LABELS.get(method) or POLICY_LABELS.get(method) or method
+    """Display name of a predictor method or runtime policy; a name the registry lacks is one line."""
+    if method in registry.methods():
+        return registry.method(method).label
+    if method in registry.policies():
+        return registry.policy_label(method)
+    raise registry.UnknownName(f"no label for {method!r}: not a predictor method ({', '.join(registry.methods())}) "
+                               f"nor a runtime policy ({', '.join(registry.policies())})")
 
 
 def color(name: str) -> str:
-    """The colour of a method or policy; unknown names get a neutral grey rather than a random colour."""
-    return PALETTE.get(name, "#999999")
+    """The colour of a method or policy; a name the registry lacks is one line (never a silent grey)."""
+    return PALETTE[name]
 
 
 def storage_label(storage: str) -> str:
-    return STORAGE_LABELS.get(storage, storage)
+    return STORAGE_LABELS[storage]
 
 
 def paper_rc() -> dict[str, Any]:

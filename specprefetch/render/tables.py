@@ -17,6 +17,7 @@ from typing import Any
 import jinja2
 import pandas as pd
 
+from specprefetch import registry
 from specprefetch.config import METHOD_LABELS, REPO_ROOT, resolve_budget
 from specprefetch.io import write_text_atomic
 from specprefetch.render.cells import (
@@ -54,9 +55,19 @@ from specprefetch.render.style import POLICY_LABELS, POLICY_LATEX, storage_label
 log = logging.getLogger(__name__)
 
 TEMPLATES_DIR = REPO_ROOT / "workflow" / "templates"
+# The built-in rows of Tables 1-3, in the paper's order. A configured plugin method (specprefetch.registry) is a row of
+# Table 1 (recall against the baselines) and, if it is trained, of Table 3 (its parameters), just above SpecPrefetch,
+# the paper's method, which stays last; Table 2 is SpecPrefetch's own ablation and takes no plugin.
 TABLE1_METHODS = ("fate", "draft_model", "promoe", "specprefetch")
 TABLE2_METHODS = ("single_mlp", "specprefetch")
 TABLE3_METHODS = ("single_mlp", "draft_model", "promoe", "specprefetch")
+
+
+def table_methods(builtin: tuple[str, ...], cfg: Mapping[str, Any], learned_only: bool = False) -> tuple[str, ...]:
+    """``builtin`` with the config's plugin methods (trained ones only with ``learned_only``) before its last row."""
+    extra = [m for m in cfg["predictors"]["methods"]
+             if registry.is_plugin(m) and (registry.method(m).learned or not learned_only)]
+    return (*builtin[:-1], *extra, builtin[-1])
 TABLE5_POLICIES = ("naive", "fate", "specprefetch")
 CATEGORIES = (("LLM", "LLM Workloads"), ("VLM", "VLM Workloads"))
 RECALL_DECIMALS = 2
@@ -202,7 +213,7 @@ class Built:
 def build_table1(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
     """Next-layer expert coverage: methods x workloads (grouped LLM / VLM) x (model, budget) columns."""
     path = inputs["recall"]
-    methods = _config_methods(cfg, TABLE1_METHODS, "table1_recall")
+    methods = _config_methods(cfg, table_methods(TABLE1_METHODS, cfg), "table1_recall")
     df = recall_frame(read_result_csv(path, "recall"), path, cfg, methods)
     values = _lookup(df)
     models = list(cfg["models"])
@@ -291,7 +302,7 @@ def build_table3(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
     """Trainable parameters of the learned predictors, per model (exact counts in the JSON)."""
     path = inputs["params"]
     params = read_result_csv(path, "params")
-    methods = [m for m in TABLE3_METHODS if m in cfg["predictors"]["methods"]]
+    methods = [m for m in table_methods(TABLE3_METHODS, cfg, learned_only=True) if m in cfg["predictors"]["methods"]]
     if "specprefetch" not in methods:
         raise RenderInputError("table3_params: config predictors.methods lacks 'specprefetch'")
     params = params[params["model"].isin(list(cfg["models"])) & params["method"].isin(methods)]
@@ -459,7 +470,8 @@ def build_table5(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
     cold, slow = rset["device"]["cold_storage"], rset["device"]["slow_storage"]
     matched = experiment_rows(runs, path, sel, "matched")
     g = paired_gains(matched, path)
-    policies = [p for p in TABLE5_POLICIES if p in set(g["policy"])]
+    plugin_policies = tuple(p for p in registry.policies() if registry.is_plugin(p))  # before SpecPrefetch's row
+    policies = [p for p in (*TABLE5_POLICIES[:-1], *plugin_policies, TABLE5_POLICIES[-1]) if p in set(g["policy"])]
     for need in ("naive", "specprefetch"):
         _policy_rows(g, path, need, "Table 5")
     budgets: dict[str, int] = {}  # each storage has its own window-aware budget, the same for every policy

@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from specprefetch import registry
 from specprefetch.contracts import STORAGES
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.store import ExpertStore
@@ -106,10 +107,14 @@ def make_profile(name: str, device_cfg: dict[str, Any], payload_bytes: int = 0) 
     cfg = device_cfg
     if name not in STORAGES:
         raise StorageError(f"unknown storage profile {name!r}; known: {', '.join(STORAGES)}")
-    if name == "nvme_cold":
+    kind = registry.storage(name).kind
+    if kind == "physical":
         return StorageProfile(name, "physical", cold_each_read=bool(cfg["cold_each_read"]))
-    if name == "ram":
+    if kind == "ram":
         return StorageProfile(name, "ram")
+    if name not in cfg["storage_profiles"]:
+        raise StorageError(f"invalid config key 'device.storage_profiles': no numbers for emulated storage {name!r} "
+                           "(the schema's defaults are filled in by config.validate_config)")
     numbers = cfg["storage_profiles"][name]
     bw, lat = float(numbers["bandwidth_mbps"]), float(numbers["latency_ms"])
     if bw <= 0 or lat < 0:
