@@ -8,8 +8,8 @@ For SpecPrefetch adapters at the stand-in's and at DeepSeek-VL2-Tiny's shapes (D
 - ``scores``: ``PredictorPriority.scores`` (the provider call the runtime makes);
 - ``select``: the exclusion set of the cache plus ``select_prefetch`` (Top-M_max of the experts neither resident
   nor in flight);
-- ``control``: what ``OffloadedRuntime._predict_and_prefetch`` does for PRED0 (predict, select, no issue) on an
-  installed runtime, timed by calling it the way ``moe_forward`` does;
+- ``control``: what the runtime's per-layer loop does at ``t_pred`` for PRED0 (``LayerLoop.predict``: predict,
+  select, no issue) over the wall-clock backend and the runtime's own compute, timed by calling it as the loop does;
 - ``beyond matmul`` = control − matmul, per round: the target of the device-benchmark issue is ≤ 10 µs.
 
 Each figure is the median over 7 rounds of ``reps`` calls (µs per call); the spread is the min–max of the rounds.
@@ -58,13 +58,12 @@ def adapter(d: int, n: int, r: int, n_layers: int = 4):
 
 
 def control_path_us(d: int, n: int, r: int, m_max: int, reps: int) -> dict[str, tuple[float, float, float]]:
-    from collections import defaultdict
-
-    from specprefetch.contracts import POLICY
     from specprefetch.runtime.cache import ExpertCache
-    from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions
+    from specprefetch.runtime.engine import _LayerCompute
+    from specprefetch.runtime.layer import LayerLoop
     from specprefetch.runtime.priority import PredictorPriority, select_prefetch
     from specprefetch.runtime.timeline import LayerEvent
+    from specprefetch.runtime.transfer import TransferEngine
 
     pred = adapter(d, n, r)
     prov = PredictorPriority(pred)
@@ -76,18 +75,18 @@ def control_path_us(d: int, n: int, r: int, m_max: int, reps: int) -> dict[str, 
         cache.fill((1, e))
     s = prov.scores(0, x)
 
-    # the runtime's method on a stand-in object: only the attributes _predict_and_prefetch reads
-    rt = OffloadedRuntime.__new__(OffloadedRuntime)
-    rt.provider, rt.n_layers, rt.cache = prov, 4, cache
-    rt.opt = RuntimeOptions(policy="pred0", m_max=m_max, capacity=4 * n)
-    rt.policy, rt.engine, rt.step, rt._issued = POLICY["pred0"], None, 1, defaultdict(list)
+    # the runtime's loop and compute; PRED0 issues nothing, so the engine is only read for its wall clock (no
+    # workers are started)
+    loop = LayerLoop(cache, TransferEngine.__new__(TransferEngine), prov, issues=False, n_layers=4, n_experts=n,
+                     budget_of=lambda layer: m_max)
+    work = _LayerCompute(None, None, x, None, None)
     ev = LayerEvent(step=1, layer=0, n_tokens=1, t_exec=0.0, required=[], hits=0, inflight=0, misses=0,
                     ready_pairs=0, t_ready=0.0, t_compute=0.0)
     t = per_call_us({
         "matmul": lambda: (x.numpy()[0] @ a_t) @ b_t,
         "scores": lambda: prov.scores(0, x),
         "select": lambda: select_prefetch(s, cache.unavailable_mask_of_layer(1), m_max),
-        "control": lambda: rt._predict_and_prefetch(0, x, ev, set()),
+        "control": lambda: loop.predict(ev, 1, 0, work, set()),
     }, reps)
     t["beyond matmul"] = [c - m for c, m in zip(t["control"], t["matmul"])]
     return {k: (statistics.median(v), min(v), max(v)) for k, v in t.items()}

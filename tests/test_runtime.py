@@ -22,7 +22,7 @@ from specprefetch.runtime.engine import POLICIES, OffloadedRuntime, OffloadError
 from specprefetch.runtime.priority import PredictorPriority, PreviousTokenPriority, fate_from_model, select_prefetch
 from specprefetch.runtime.storage import ExpertReader, FaultInjector, make_profile
 from specprefetch.runtime.store import ExpertStore, StoreError, build_expert_store
-from specprefetch.runtime.timeline import LayerEvent, ready_recall_of, summarize
+from specprefetch.runtime.timeline import LayerEvent, ready_recall_of, routing_rows, summarize
 
 VOCAB = 96
 
@@ -309,13 +309,13 @@ def test_cache_bookkeeping() -> None:
 @pytest.mark.parametrize("policy", ["off", "specprefetch", "naive", "fate", "pred0"])
 def test_simulator_matches_runtime_counters(setup: dict[str, Any], policy: str) -> None:
     """Deterministic case (one I/O worker, every transfer completes before the next layer): same counters."""
-    from specprefetch.runtime.simulator import ComputeProfile, sequences_from_events, simulate
+    from specprefetch.runtime.simulator import ComputeProfile, sequences_from_record, simulate
     from specprefetch.runtime.storage import StorageProfile
 
     k, n_layers = setup["spec"].top_k, setup["spec"].n_layers
     cap = k + 3
     _, rt = run_policy(setup, policy, m_max=3, capacity=cap, sync=True, io_workers=1, record=True)
-    seqs = sequences_from_events(rt.events, n_layers)
+    seqs = sequences_from_record(routing_rows(rt.events), n_layers)
     zero = [0.0] * n_layers
     prof = ComputeProfile(zero, zero, zero, [1e-3] * n_layers, zero, 1e-3)
     sim = simulate(seqs, policy, 3, cap, setup["spec"].n_experts, k, prof, StorageProfile("ram", "ram"),
@@ -331,7 +331,7 @@ def test_simulator_matches_runtime_counters(setup: dict[str, Any], policy: str) 
 def test_per_layer_budgets_in_runtime_and_simulator(setup: dict[str, Any], policy: str) -> None:
     """``layer_m_max``: each layer's prefetches stay within its own budget (none into a layer of budget 0), the
     tokens are the plain model's, and the simulator, given the same budgets, makes the same decisions."""
-    from specprefetch.runtime.simulator import ComputeProfile, sequences_from_events, simulate
+    from specprefetch.runtime.simulator import ComputeProfile, sequences_from_record, simulate
     from specprefetch.runtime.storage import StorageProfile
 
     k, n_layers = setup["spec"].top_k, setup["spec"].n_layers
@@ -346,7 +346,7 @@ def test_per_layer_budgets_in_runtime_and_simulator(setup: dict[str, Any], polic
         per_layer[ev.layer] += ev.prefetch_used + ev.prefetch_wasted + ev.prefetch_cancelled
     assert all(per_layer[layer] == 0 for layer in range(1, n_layers) if budgets[layer] == 0)
     assert any(per_layer[layer] > 0 for layer in range(1, n_layers) if budgets[layer] > 0)
-    seqs = sequences_from_events(rt.events, n_layers)
+    seqs = sequences_from_record(routing_rows(rt.events), n_layers)
     zero = [0.0] * n_layers
     prof = ComputeProfile(zero, zero, zero, [1e-3] * n_layers, zero, 1e-3)
     sim = simulate(seqs, policy, 3, cap, setup["spec"].n_experts, k, prof, StorageProfile("ram", "ram"),
@@ -920,7 +920,8 @@ def test_benchmark_blocks_run_in_a_seeded_random_order() -> None:
 
 
 def test_control_path_benchmark_script_runs() -> None:
-    """scripts/bench_control_path.py drives the runtime's own _predict_and_prefetch: it must keep up with it."""
+    """scripts/bench_control_path.py drives the runtime's own prediction phase (``LayerLoop.predict``): it must keep
+    up with it."""
     import importlib.util
 
     from specprefetch.config import REPO_ROOT

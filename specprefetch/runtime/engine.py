@@ -4,7 +4,9 @@
 with the same call signature ``(hidden_states, top_k_index, top_k_weights)``. The gate is never touched: the
 native router still decides which experts run, so the model's outputs cannot depend on the prefetch policy.
 
-At MoE layer ``l`` (one call of ``OffloadedExperts.forward``):
+At MoE layer ``l`` (one call of ``OffloadedExperts.forward``), the per-layer loop of
+:class:`~specprefetch.runtime.layer.LayerLoop` (the simulator runs the same one) over the
+:class:`~specprefetch.runtime.transfer.TransferEngine`, with this module's matmuls as its compute:
 
 1. ``t_exec``: the layer's demand T^l is known. Queued prefetches for ``l`` that are not needed are cancelled,
    needed ones are promoted to demand loads; the cache's content A^l(t_exec) is recorded (ReadyRecall, hits);
@@ -29,7 +31,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,12 +42,12 @@ from specprefetch.contracts import POLICIES, POLICY
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.budget import layer_budget
 from specprefetch.runtime.cache import ExpertCache, Key, SlotPool
-from specprefetch.runtime.layer import acquire, begin_layer, issue_prefetches
+from specprefetch.runtime.layer import LayerLoop
 from specprefetch.runtime.priority import PriorityProvider
 from specprefetch.runtime.storage import ExpertReader, StorageError
 from specprefetch.runtime.store import ExpertStore, MoEBlock, find_moe_blocks
 from specprefetch.runtime.timeline import LayerEvent, RunStats, summarize
-from specprefetch.runtime.transfer import Transfer, TransferEngine
+from specprefetch.runtime.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -186,11 +188,14 @@ class OffloadedRuntime:
         self.pool = resident if self.shared_pool else SlotPool(cap, store.layout, self.device)
         self.layout = store.layout
         self.engine = TransferEngine(reader, self.cache, self.pool, options.io_workers, options.io_retries)
+        self.loop = LayerLoop(self.cache, self.engine, self.provider, self.policy.issues, self.n_layers,
+                              self.n_experts, options.budget_of, compute_opt=options.compute_opt,
+                              sync=options.sync_prefetch,
+                              retries=options.io_retries, record=options.record_routing,
+                              topm_absent=tuple(options.topm_absent), load_error=self._load_error)
         self.originals: list[nn.Module | None] = []
         self.installed = False
-        self.events: list[LayerEvent] = []
         self.step = -1
-        self._issued: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
         self._routing: dict[int, tuple[Tensor, Tensor]] = {}  # the latest step's routing per layer (adopt)
 
     # -------------------------------------------------------------- lifecycle
@@ -239,6 +244,15 @@ class OffloadedRuntime:
         return self.cache.capacity
 
     @property
+    def events(self) -> list[LayerEvent]:
+        """One :class:`LayerEvent` per MoE layer call of this run (the loop's)."""
+        return self.loop.events
+
+    @events.setter
+    def events(self, events: list[LayerEvent]) -> None:
+        self.loop.events = events
+
+    @property
     def capacity_bytes(self) -> int:
         return self.cache.capacity * self.store.record_bytes
 
@@ -249,7 +263,7 @@ class OffloadedRuntime:
         self.engine.reset_log()
         self.events = []
         self.step = -1
-        self._issued.clear()
+        self.loop.issued.clear()
         self._routing.clear()
         if self.preload:
             self._preload_all()
@@ -294,146 +308,78 @@ class OffloadedRuntime:
 
     # -------------------------------------------------------------- the MoE layer
     def moe_forward(self, mod: OffloadedExperts, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """One call of MoE layer ``mod.ordinal``: the shared per-layer loop, computing with :class:`_LayerCompute`."""
         l = mod.ordinal
         t_exec = time.perf_counter()
         if l == 0:
             self.step += 1
         idx = top_k_index.detach().to("cpu")
-        self.engine.charge_delays = idx.shape[0] == 1  # prefill loads take no emulated delay (prefill is not timed)
-        required = sorted({e for e in idx.reshape(-1).tolist() if 0 <= e < self.n_experts})
-        keys: list[Key] = [(l, e) for e in required]
-        ev = self._begin_layer(l, t_exec, idx, required)
-        protect = set(keys)
-        j = self._acquire(keys, 0, protect)
-        if idx.shape[0] == 1:
-            self._predict_and_prefetch(l, hidden, ev, protect)
-        if self.opt.compute_opt and hidden.shape[0] == 1 and len(keys) == idx.shape[1]:
-            out = self._compute_batched(mod, hidden, idx, top_k_weights, keys, j, protect, ev)
-        else:
-            out = self._compute_loop(mod, hidden, idx, top_k_weights, keys, j, protect, ev)
-        if self.opt.sync_prefetch:
-            self.engine.drain()
-        with self.cache.lock:  # LRU: the layer used its experts (in ascending id, whatever order they arrived in)
-            for key in keys:
-                self.cache.touch(key)
-        self._routing[l] = (idx, top_k_weights.detach())
-        if self.provider is not None:
-            self.provider.observe(l, *self._routing[l])
-        ev.t_done = time.perf_counter()
-        return out
+        work = _LayerCompute(self, mod, hidden, idx, top_k_weights)
+        self.loop.run(self.step, l, idx.tolist(), work, t_exec, idx.clone() if self.opt.record_routing else None)
+        return work.out
 
-    def _begin_layer(self, l: int, t_exec: float, idx: Tensor, required: list[int]) -> LayerEvent:
-        ev = begin_layer(self.cache, self.engine, self._issued, self.step, l, t_exec, idx.tolist(), required)
-        if self.opt.record_routing:
-            ev.topk = idx.clone()
-        self.events.append(ev)
-        return ev
+    def _load_error(self, key: Key) -> StorageError:
+        return StorageError(f"expert {key[1]} of MoE layer {key[0]} could not be read from "
+                            f"{self.store.files[key[0]]} (I/O errors on every attempt)")
 
-    def _acquire(self, keys: list[Key], j: int, protect: set[Key]) -> int:
-        return acquire(self.cache, self.engine, keys, j, protect, self.step, 0.0)
 
-    def _wait_for_room(self) -> None:
-        if not self.engine.wait_any():
-            raise OffloadError(f"expert cache of {self.cache.capacity} experts cannot hold one more expert "
-                                "(every slot pinned)")
+class _LayerCompute:
+    """The runtime's compute for one call of an offloaded MoE layer (a
+    :class:`~specprefetch.runtime.layer.LayerWork`): the provider's priorities from the router input, and the
+    experts' MLPs over the cache slots -- transformers' eager loop (same op order: bit-identical results), or for a
+    decoding token the batched fast path (``compute_opt``)."""
 
-    def _ensure(self, key: Key, protect: set[Key]) -> int:
-        """Block until ``key`` is resident (it is pinned); reload on demand if its transfer failed."""
-        failures = 0
-        while True:
-            with self.cache.lock:
-                if self.cache.is_resident(key):
-                    return self.cache.slot(key)
-                tr = self.engine.inflight(key)
-                if tr is None:  # its transfer failed (slot and pin released): load it again, on demand
-                    failures += 1
-                    if failures > self.opt.io_retries + 1:
-                        raise StorageError(f"expert {key[1]} of MoE layer {key[0]} could not be read from "
-                                           f"{self.store.files[key[0]]} (I/O errors on every attempt)")
-                    if self.cache.reserve(key, protect, last_resort=True) is None:
-                        tr = None
-                    else:
-                        self.cache.pin(key)
-                        tr = self.engine.submit(key, "demand", self.step)
-            if tr is None:
-                self._wait_for_room()
-            elif self.engine.steal(key) is tr:
-                self.engine.execute(tr)  # not started by any worker: load it on this thread
-            else:
-                self.engine.wait(tr)
+    __slots__ = ("rt", "mod", "hidden", "idx", "weights", "out", "idx_dev")
 
-    def _predict_and_prefetch(self, l: int, hidden: Tensor, ev: LayerEvent, protect: set[Key]) -> None:
-        if self.provider is None or l + 1 >= self.n_layers:
-            return
-        s = self.provider.scores(l, hidden)
-        ev.t_pred = time.perf_counter()
-        if s is None:
-            return
-        if self.opt.record_routing:
-            ev.scores = torch.as_tensor(s).clone()
-        issue_prefetches(self.cache, self.engine, self._issued, ev, self.step, l, s, self.opt.budget_of(l + 1),
-                         self.provider.empty_when_zero, self.policy.issues, protect, ev.t_pred, self.opt.topm_absent)
+    def __init__(self, rt: OffloadedRuntime, mod: OffloadedExperts, hidden: Tensor, idx: Tensor,
+                 weights: Tensor) -> None:
+        self.rt, self.mod, self.hidden, self.idx, self.weights = rt, mod, hidden, idx, weights
+        self.out: Tensor | None = None
+        self.idx_dev: Tensor | None = None
 
-    def _release(self, key: Key, slot: int, protect: set[Key]) -> None:
-        self.pool.mark_used(slot)
-        self.cache.unpin(key)
-        protect.discard(key)
+    def scores(self, provider: PriorityProvider, layer: int) -> Any:
+        return provider.scores(layer, self.hidden)
 
-    def _compute_loop(self, mod: OffloadedExperts, hidden: Tensor, idx: Tensor, weights: Tensor,
-                      keys: list[Key], j: int, protect: set[Key], ev: LayerEvent) -> Tensor:
-        """transformers' eager expert loop over cached weights (same op order: bit-identical results)."""
-        out = torch.zeros_like(hidden)
-        idx_dev = idx.to(hidden.device)
-        stall = 0.0
-        ev.t_compute = ev.t_ready = time.perf_counter()
-        for i, key in enumerate(keys):
-            t0 = time.perf_counter()
-            waited = j <= i or not self.cache.is_resident(key)
-            while j <= i:
-                self._wait_for_room()
-                j = self._acquire(keys, j, protect)
-            slot = self._ensure(key, protect)
-            t1 = time.perf_counter()
-            if waited:
-                ev.t_ready = t1
-            stall += t1 - t0
-            pos, tok = torch.where(idx_dev.t() == key[1])
-            y = self.layout.mlp(self.pool.weights(slot), hidden[tok], mod.act_fn) * weights[tok, pos, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-            with self.cache.lock:
-                self._release(key, slot, protect)
-                j = self._acquire(keys, j, protect)
-        ev.stall_s = stall
-        return out
+    def prepared(self, ev: LayerEvent, predicted: bool, batched: bool) -> None:
+        if not batched:  # the eager loop accumulates into ``out`` expert by expert
+            self.out = torch.zeros_like(self.hidden)
+            self.idx_dev = self.idx.to(self.hidden.device)
 
-    def _compute_batched(self, mod: OffloadedExperts, hidden: Tensor, idx: Tensor, weights: Tensor,
-                         keys: list[Key], j: int, protect: set[Key], ev: LayerEvent) -> Tensor:
+    def expert(self, key: Key, slot: int) -> None:
+        rt, hidden, weights = self.rt, self.hidden, self.weights
+        pos, tok = torch.where(self.idx_dev.t() == key[1])
+        y = rt.layout.mlp(rt.pool.weights(slot), hidden[tok], self.mod.act_fn) * weights[tok, pos, None]
+        self.out.index_add_(0, tok, y.to(self.out.dtype))
+        rt.pool.mark_used(slot)
+
+    def batched(self, keys: list[Key], slots: list[int], release: Callable[[], None]) -> None:
         """One decoding token: gather the K experts' weights, two batched matmuls, fixed-order sum."""
-        t0 = ev.t_compute = time.perf_counter()
-        while j < len(keys):
-            self._wait_for_room()
-            j = self._acquire(keys, j, protect)
-        slots = [self._ensure(k, protect) for k in keys]
-        ev.t_ready = time.perf_counter()
-        ev.stall_s = ev.t_ready - t0
+        pool, hidden, act_fn = self.rt.pool, self.hidden, self.mod.act_fn
         # one token: its top-k ids are distinct, so sorting them gives ``keys``' order
-        w = weights[0, torch.argsort(top_k_index_row(idx, weights.device))]
-        if self.pool.gate_up is None:  # quantized or widened experts: one MLP each, summed in ascending id
+        w = self.weights[0, torch.argsort(top_k_index_row(self.idx, self.weights.device))]
+        if pool.gate_up is None:  # quantized or widened experts: one MLP each, summed in ascending id
             out = torch.zeros_like(hidden)
             for s, wk in zip(slots, w.unbind(0)):
-                out.add_(self.layout.mlp(self.pool.weights(s), hidden, mod.act_fn) * wk)
-            with self.cache.lock:
-                for k, s in zip(keys, slots):
-                    self._release(k, s, protect)
-            return out
-        st = torch.tensor(slots, device=self.pool.device)
-        gu = self.pool.gate_up.index_select(0, st)            # [E, 2I, H]
-        dn = self.pool.down.index_select(0, st)                # [E, H, I]
-        with self.cache.lock:
-            for k, s in zip(keys, slots):
-                self._release(k, s, protect)
+                out.add_(self.rt.layout.mlp(pool.weights(s), hidden, act_fn) * wk)
+            for s in slots:
+                pool.mark_used(s)
+            release()
+            self.out = out
+            return
+        st = torch.tensor(slots, device=pool.device)
+        gu = pool.gate_up.index_select(0, st)            # [E, 2I, H]
+        dn = pool.down.index_select(0, st)                # [E, H, I]
+        for s in slots:
+            pool.mark_used(s)
+        release()  # the weights are gathered: the slots may be refilled while the matmuls run
         x = hidden[0]
-        gate, up = torch.matmul(gu, x).chunk(2, dim=-1)         # [E, I] each
-        h = mod.act_fn(gate) * up
-        y = torch.bmm(dn, h.unsqueeze(-1)).squeeze(-1)          # [E, H]
-        return (y * w[:, None]).sum(dim=0, keepdim=True).to(hidden.dtype)
+        gate, up = torch.matmul(gu, x).chunk(2, dim=-1)    # [E, I] each
+        h = act_fn(gate) * up
+        y = torch.bmm(dn, h.unsqueeze(-1)).squeeze(-1)     # [E, H]
+        self.out = (y * w[:, None]).sum(dim=0, keepdim=True).to(hidden.dtype)
+
+    def finish(self, provider: PriorityProvider | None) -> None:
+        l = self.mod.ordinal
+        self.rt._routing[l] = (self.idx, self.weights.detach())
+        if provider is not None:
+            provider.observe(l, *self.rt._routing[l])

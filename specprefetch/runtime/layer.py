@@ -1,32 +1,47 @@
-"""The per-layer acquire / predict / issue / account logic, one implementation for the runtime and the simulator.
+"""The per-layer loop of the offloaded runtime, written once for the runtime and the simulator.
 
-Both drive the same :class:`~specprefetch.runtime.cache.ExpertCache` through an I/O backend with this interface:
-:class:`~specprefetch.runtime.transfer.TransferEngine` (I/O threads on the wall clock) and the simulator's
-``_SimIO`` (a discrete-event clock):
+One MoE layer (:meth:`LayerLoop.run`):
 
-- ``cancel_pending(layer, keep) -> list[transfer]``: cancel queued prefetches of ``layer`` not in ``keep``;
-- ``promote(key)``: a queued or running transfer of ``key`` becomes a demand load;
-- ``inflight(key) -> transfer | None``;
-- ``submit(key, kind, step, t) -> transfer`` (``kind`` "demand" or "prefetch"; ``t`` the backend's clock, which
-  the threaded engine reads itself).
+1. ``t_exec``: the layer's demand T^l is known (:func:`begin_layer`). Queued prefetches it does not need are
+   cancelled, needed ones promoted to demand loads; the cache's content is recorded (hits, in flight, misses,
+   ReadyRecall pairs) and the prefetches issued for this layer are counted.
+2. Required experts are pinned in ascending id while the cache has room, absent ones queued as demand loads
+   (:func:`acquire`).
+3. In a decoding step (one token) a predicting policy's provider gives the priorities ``s^{l+1}`` (``t_pred``); the
+   top ``M_max`` experts of layer ``l+1`` neither resident nor in flight are queued as prefetches in priority order
+   (:func:`issue_prefetches`; PRED0 selects and issues nothing).
+4. Compute, in ascending expert id: each expert is waited for until resident (the stall; a queued load is performed
+   by the compute thread itself, a failed one reloaded on demand), computed and released -- or, with ``compute_opt``
+   in a decoding step, all K experts are waited for and then computed at once (the batched fast path).
+5. The layer's experts become the most recently used; the provider observes the layer's routing (``t_done``).
 
-What differs between the two is only how time passes (real compute and waits, or the profiled durations): the
-decisions (what is cancelled, promoted, pinned, loaded on demand, selected, prefetched and counted) are these
-functions', so the simulator makes the runtime's decisions by construction.
+The loop runs over an :class:`~specprefetch.runtime.iobackend.IOBackend`:
+:class:`~specprefetch.runtime.transfer.TransferEngine` (I/O threads, wall clock) or the simulator's ``_SimIO``
+(discrete-event clock), and a :class:`LayerWork`: what "compute" is (the runtime's matmuls, or the simulator
+charging profiled durations to its clock). Every decision -- what is cancelled, promoted, pinned, loaded on
+demand, selected, prefetched, waited for and counted -- is this module's, so the simulator makes the runtime's
+decisions by construction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from specprefetch.runtime.cache import ExpertCache, Key
-from specprefetch.runtime.priority import select_prefetch
+import torch
+
+from specprefetch.runtime.cache import CacheError, ExpertCache, Key
+from specprefetch.runtime.iobackend import IOBackend, TransferLike
+from specprefetch.runtime.priority import PriorityProvider, select_prefetch
 from specprefetch.runtime.timeline import LayerEvent
 
+Issued = dict[tuple[int, int], list[Any]]  # (step, target layer) -> the prefetches issued for it
 
-def begin_layer(cache: ExpertCache, io: Any, issued: dict[tuple[int, int], list[Any]], step: int, layer: int,
-                t_exec: float, rows: Sequence[Sequence[int]], required: list[int]) -> LayerEvent:
+
+def begin_layer(cache: ExpertCache, io: IOBackend, issued: Issued, step: int, layer: int, t_exec: float,
+                rows: Sequence[Sequence[int]], required: list[int]) -> LayerEvent:
     """``t_exec`` of MoE layer ``layer``: its demand is known. Queued prefetches it does not need are cancelled,
     needed ones promoted; the cache's content is recorded (hits, in flight, misses, ReadyRecall pairs); the
     prefetches issued for this layer are counted (used, wasted: demoted to first eviction candidates, cancelled)."""
@@ -54,7 +69,7 @@ def begin_layer(cache: ExpertCache, io: Any, issued: dict[tuple[int, int], list[
     return ev
 
 
-def acquire(cache: ExpertCache, io: Any, keys: list[Key], j: int, protect: set[Key], step: int, t: float) -> int:
+def acquire(cache: ExpertCache, io: IOBackend, keys: list[Key], j: int, protect: set[Key], step: int) -> int:
     """Pin ``keys[j:]`` in order while the cache has room, queueing demand loads; returns the new ``j``."""
     with cache.lock:
         while j < len(keys):
@@ -62,15 +77,15 @@ def acquire(cache: ExpertCache, io: Any, keys: list[Key], j: int, protect: set[K
             if not (cache.is_resident(key) or cache.is_inflight(key)):
                 if cache.reserve(key, protect, last_resort=True) is None:
                     break
-                io.submit(key, "demand", step, t)
+                io.submit(key, "demand", step)
             cache.pin(key)
             j += 1
     return j
 
 
-def issue_prefetches(cache: ExpertCache, io: Any, issued: dict[tuple[int, int], list[Any]], ev: LayerEvent,
-                     step: int, layer: int, scores: Any, m_max: int, empty_when_zero: bool, issues: bool,
-                     protect: set[Key], t: float, topm_absent: Sequence[int] = ()) -> None:
+def issue_prefetches(cache: ExpertCache, io: IOBackend, issued: Issued, ev: LayerEvent, step: int, layer: int,
+                     scores: Any, m_max: int, empty_when_zero: bool, issues: bool, protect: set[Key],
+                     topm_absent: Sequence[int] = ()) -> None:
     """``t_pred`` of layer ``layer``: select ``P^{l+1}`` (Top-M_max of the priorities over experts of layer
     ``layer + 1`` neither resident nor in flight) and, if the policy ``issues``, queue them as prefetches in
     priority order until a slot cannot be freed without evicting what this layer needs. ``topm_absent``: record
@@ -88,5 +103,201 @@ def issue_prefetches(cache: ExpertCache, io: Any, issued: dict[tuple[int, int], 
             key = (layer + 1, e)
             if cache.reserve(key, protect, last_resort=False) is None:
                 break
-            issued[(step, layer + 1)].append(io.submit(key, "prefetch", step, t))
+            issued[(step, layer + 1)].append(io.submit(key, "prefetch", step))
             ev.issued.append(e)
+
+
+class LayerWork(Protocol):
+    """What one MoE layer computes and how long it takes: the part of the loop the runtime and the simulator do
+    differently (real computation on the wall clock, or profiled durations charged to the virtual clock)."""
+
+    def scores(self, provider: PriorityProvider, layer: int) -> Any:
+        """The provider's priorities for layer ``layer + 1`` (None: none this step); the prediction's time passes."""
+        ...
+
+    def prepared(self, ev: LayerEvent, predicted: bool, batched: bool) -> None:
+        """The control path before the compute phase is over (bookkeeping, or prediction and issue); the experts
+        will be computed at once (``batched``) or one by one."""
+        ...
+
+    def expert(self, key: Key, slot: int) -> None:
+        """Compute one resident expert (the loop path); its slot is released after this returns."""
+        ...
+
+    def batched(self, keys: list[Key], slots: list[int], release: Callable[[], None]) -> None:
+        """Compute all the layer's experts at once (the ``compute_opt`` path); call ``release`` as soon as their
+        slots are no longer read (the loop calls it afterwards if this did not)."""
+        ...
+
+    def finish(self, provider: PriorityProvider | None) -> None:
+        """The layer is done: the provider observes its routing."""
+        ...
+
+
+def _load_error(key: Key) -> Exception:
+    return CacheError(f"expert {key[1]} of MoE layer {key[0]} could not be loaded (every attempt failed)")
+
+
+def _no_budget(layer: int) -> int:
+    return 0
+
+
+@dataclass(eq=False)
+class LayerLoop:
+    """The per-layer loop of one run (see the module docstring): the cache, the I/O backend, the policy's provider
+    (None: no prediction), its budget and the per-run choices; ``events`` collects one :class:`LayerEvent` per layer
+    call."""
+
+    cache: ExpertCache
+    io: IOBackend
+    provider: PriorityProvider | None
+    issues: bool                        # the policy prefetches what it selects (PRED0 does not)
+    n_layers: int
+    n_experts: int
+    budget_of: Callable[[int], int] = _no_budget  # M_max of the prefetches into a layer (asked when predicting)
+    compute_opt: bool = True            # the batched fast path for decoding steps
+    sync: bool = False                  # wait for every transfer at the end of each layer
+    retries: int = 0                    # reloads of an expert whose transfer failed, beyond the backend's own
+    record: bool = False                # keep each event's priorities (simulator input)
+    topm_absent: tuple[int, ...] = ()   # record |Top_M(s) minus available| at t_pred for these M (Figure 1b)
+    load_error: Callable[[Key], Exception] = _load_error  # the error when an expert cannot be loaded at all
+    issued: Issued = field(default_factory=lambda: defaultdict(list))
+    events: list[LayerEvent] = field(default_factory=list)
+
+    def run(self, step: int, layer: int, rows: Sequence[Sequence[int]], work: LayerWork,
+            t_exec: float | None = None, topk: Any = None) -> LayerEvent:
+        """One call of MoE layer ``layer`` in step ``step``: ``rows`` are its tokens' top-k expert ids, ``t_exec``
+        when the demand became known (default: now), ``topk`` what the event records as the routing
+        (``record_routing``)."""
+        io, cache = self.io, self.cache
+        io.poll()
+        decoding = len(rows) == 1
+        io.charge_delays = decoding  # prefill loads take no emulated delay (prefill is not timed)
+        if t_exec is None:
+            t_exec = io.now()
+        required = sorted({e for r in rows for e in r if 0 <= e < self.n_experts})
+        keys = [(layer, e) for e in required]
+        ev = begin_layer(cache, io, self.issued, step, layer, t_exec, rows, required)
+        if topk is not None:
+            ev.topk = topk
+        self.events.append(ev)
+        protect = set(keys)
+        j = acquire(cache, io, keys, 0, protect, step)
+        predicted = decoding and self.provider is not None and layer + 1 < self.n_layers
+        if predicted:
+            self.predict(ev, step, layer, work, protect)
+        batched = self.compute_opt and decoding and len(keys) == len(rows[0])
+        work.prepared(ev, predicted, batched)
+        if batched:
+            self._compute_batched(keys, j, protect, ev, work, step)
+        else:
+            self._compute_each(keys, j, protect, ev, work, step)
+        if self.sync:
+            io.drain()
+        with cache.lock:  # LRU: the layer used its experts (in ascending id, whatever order they arrived in)
+            for key in keys:
+                cache.touch(key)
+        work.finish(self.provider)
+        ev.t_done = io.now()
+        io.poll()
+        return ev
+
+    def predict(self, ev: LayerEvent, step: int, layer: int, work: LayerWork, protect: set[Key]) -> None:
+        """``t_pred``: the provider's priorities for ``layer + 1``, the selection at its budget and (if the policy
+        issues) the prefetches, in priority order."""
+        provider = self.provider
+        if provider is None:
+            return
+        s = work.scores(provider, layer)
+        ev.t_pred = self.io.now()
+        if s is None:
+            return
+        if self.record:
+            ev.scores = torch.as_tensor(s).clone()
+        self.io.poll()
+        issue_prefetches(self.cache, self.io, self.issued, ev, step, layer, s, self.budget_of(layer + 1),
+                         provider.empty_when_zero, self.issues, protect, self.topm_absent)
+
+    def _wait_for_room(self) -> None:
+        if not self.io.wait_any():
+            raise CacheError(f"expert cache of {self.cache.capacity} experts cannot hold one more expert "
+                             "(every slot pinned)")
+
+    def ensure(self, key: Key, protect: set[Key], step: int) -> int:
+        """Block until the pinned ``key`` is resident; returns its slot. A queued transfer is performed by the
+        compute thread; one that failed (slot and pin released) is loaded again on demand, ``retries`` times."""
+        io, cache = self.io, self.cache
+        io.poll()
+        failures = 0
+        while True:
+            tr: TransferLike | None
+            with cache.lock:
+                if cache.is_resident(key):
+                    return cache.slot(key)
+                tr = io.inflight(key)
+                if tr is None:  # its transfer failed: load it again, on demand
+                    failures += 1
+                    if failures > self.retries + 1:
+                        raise self.load_error(key)
+                    if cache.reserve(key, protect, last_resort=True) is not None:
+                        cache.pin(key)
+                        tr = io.submit(key, "demand", step)
+            if tr is None:
+                self._wait_for_room()
+            elif io.steal(key) is tr:
+                io.execute(tr)  # not started by any worker: load it on this thread
+            else:
+                io.wait(tr)
+
+    def _release(self, key: Key, protect: set[Key]) -> None:
+        self.cache.unpin(key)
+        protect.discard(key)
+
+    def _compute_each(self, keys: list[Key], j: int, protect: set[Key], ev: LayerEvent, work: LayerWork,
+                      step: int) -> None:
+        """Expert by expert in ascending id: wait until resident (pinning the rest as room frees up), compute,
+        release."""
+        io, cache = self.io, self.cache
+        stall = 0.0
+        ev.t_compute = ev.t_ready = io.now()
+        for i, key in enumerate(keys):
+            t0 = io.now()
+            waited = j <= i or not cache.is_resident(key)
+            while j <= i:
+                self._wait_for_room()
+                j = acquire(cache, io, keys, j, protect, step)
+            slot = self.ensure(key, protect, step)
+            t1 = io.now()
+            if waited:
+                ev.t_ready = t1
+            stall += t1 - t0
+            work.expert(key, slot)
+            with cache.lock:
+                self._release(key, protect)
+                io.poll()
+                j = acquire(cache, io, keys, j, protect, step)
+        ev.stall_s = stall
+
+    def _compute_batched(self, keys: list[Key], j: int, protect: set[Key], ev: LayerEvent, work: LayerWork,
+                         step: int) -> None:
+        """One decoding token: wait until all K experts are resident, then compute them at once."""
+        io, cache = self.io, self.cache
+        t0 = ev.t_compute = ev.t_ready = io.now()
+        while j < len(keys):
+            self._wait_for_room()
+            j = acquire(cache, io, keys, j, protect, step)
+        slots = [self.ensure(k, protect, step) for k in keys]
+        ev.t_ready = io.now()
+        ev.stall_s = ev.t_ready - t0
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                with cache.lock:
+                    for k in keys:
+                        self._release(k, protect)
+
+        work.batched(keys, slots, release)
+        release()

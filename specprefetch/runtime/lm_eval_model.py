@@ -87,9 +87,9 @@ class OffloadedLM(HFLM):
         if provider is None and pol.provider is not None:
             provider = _provider_from(policy, predictor, spec, device)
         if provider is None and pol.predicts and pol.provider is None:
-            from specprefetch.runtime.priority import PreviousTokenPriority
+            from specprefetch.runtime.priority import builtin_provider
 
-            provider = PreviousTokenPriority(spec.n_layers, spec.n_experts)
+            provider = builtin_provider(policy, spec.n_layers, spec.n_experts)
         if capacity is None:
             capacity = cache_capacity(settings, expert_store.total_experts,
                                       spec.top_k)

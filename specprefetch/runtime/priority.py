@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specprefetch.contracts import POLICY
 from specprefetch.io import SpecPrefetchError
 
 
@@ -159,6 +160,14 @@ class PreviousTokenPriority(PriorityProvider):
         # a positive score for every executed expert, ordered by its routing weight
         s[idx] = 1.0 + w.clamp(min=0) / (1.0 + w.clamp(min=0).max())
         self.last[layer] = s
+
+
+def builtin_provider(policy: str, n_layers: int, n_experts: int) -> PriorityProvider | None:
+    """The priority provider of a predicting policy that needs no trained predictor (Naive Prefetch: a
+    :class:`PreviousTokenPriority`), else None. The harness, the lm-eval wrapper and the simulator take Naive
+    Prefetch's provider from here, so the simulator replays the object the runtime runs."""
+    pol = POLICY[policy]
+    return PreviousTokenPriority(n_layers, n_experts) if pol.predicts and pol.provider is None else None
 
 
 def select_prefetch(scores: Tensor | None, exclude: Collection[int], m_max: int,

@@ -29,7 +29,7 @@ from specprefetch.runtime.cache import SlotPool
 from specprefetch.runtime.decode import Generation, Prefilled, Prompt, greedy_generate, prefill
 from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions, install_offloaded, resident_pool
 from specprefetch.runtime.paper_scale import install_store_experts, match_store
-from specprefetch.runtime.priority import PreviousTokenPriority, PriorityProvider
+from specprefetch.runtime.priority import PriorityProvider, builtin_provider
 from specprefetch.runtime.storage import ExpertReader, StorageProfile, make_profile
 from specprefetch.runtime.store import ExpertStore, find_moe_blocks
 from specprefetch.runtime.timeline import LayerEvent, RunStats
@@ -109,7 +109,7 @@ class Harness:
         if not pol.predicts:
             return None
         if pol.provider is None:  # Naive Prefetch: the previous token's experts
-            return PreviousTokenPriority(len(self.blocks), self.store.n_experts)
+            return builtin_provider(policy, len(self.blocks), self.store.n_experts)
         key = pol.provider
         if key not in self.providers:
             raise SpecPrefetchError(f"policy {policy!r} needs a {key} predictor, none was given")

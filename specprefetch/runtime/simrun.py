@@ -17,7 +17,6 @@ import csv
 import logging
 import math
 import statistics
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,8 +36,8 @@ from specprefetch.runtime.platforms import (
 from specprefetch.runtime.simulator import (
     ComputeProfile,
     SimSequence,
-    SimStep,
     relative_error,
+    sequences_from_record,
     sequences_from_trace,
     simulate,
 )
@@ -67,24 +66,6 @@ def local_storage(profile: dict[str, Any], storage: str,
                                payload), None, 0.0)
     fixed = float(profile["transfer_ms"].get(storage, {}).get("transfer_ms", 0.0)) * 1e-3
     return StorageProfile(storage, "ram"), fixed, 0.0
-
-
-def sequences_from_record(events: Sequence[dict[str, Any]], n_layers: int) -> list[SimSequence]:
-    """``bench_runtime``'s recorded events -> simulator sequences (a multi-token step starts a sequence)."""
-    steps: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
-    for ev in events:
-        steps[int(ev["step"])][int(ev["layer"])] = ev
-    seqs: list[SimSequence] = []
-    for s in sorted(steps):
-        layers = steps[s]
-        if len(layers) != n_layers:
-            raise SpecPrefetchError(f"recorded step {s} has {len(layers)} layers, expected {n_layers}")
-        st = SimStep(topk=[layers[l]["topk"].long().tolist() for l in range(n_layers)],
-                     scores=[layers[l]["scores"] for l in range(n_layers)])
-        if st.n_tokens > 1 or not seqs:
-            seqs.append(SimSequence([]))
-        seqs[-1].steps.append(st)
-    return seqs
 
 
 def check_routing_record(record: Any, path: str | Path, model: str) -> None:
@@ -269,5 +250,5 @@ def write_validation_csv(path: str | Path, rows: Sequence[dict[str, Any]]) -> No
                 w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
-__all__ = ["RUN_COLUMNS", "local_storage", "sequences_from_record", "simulate_platform", "summarize_validation",
+__all__ = ["RUN_COLUMNS", "local_storage", "simulate_platform", "summarize_validation",
            "validate_simulator", "write_runs_csv", "write_validation_csv"]

@@ -1,19 +1,22 @@
 """Trace-driven discrete-event simulator of the offloaded runtime (same cache, budget and queue logic).
 
 It replays, step by step and layer by layer, the native routing of a token sequence and the predictor's
-priorities through the *same* :class:`~specprefetch.runtime.cache.ExpertCache` and the *same* per-layer decisions
-as :class:`~specprefetch.runtime.engine.OffloadedRuntime` (:mod:`~specprefetch.runtime.layer`: cancel/promote at
-``t_exec``, pin, demand loads, selection and prefetch issue in priority order, accounting), in the runtime's order
-of operations (demand loads first, prediction, prefetch, compute, release), with the same
-:class:`~specprefetch.runtime.storage.BandwidthModel`, on a virtual clock: compute takes the profiled per-layer
-durations, each transfer occupies one of ``io_workers`` servers for its modelled time. It produces the runtime's
-own :class:`~specprefetch.runtime.timeline.LayerEvent` records, so counters and ReadyRecall come from the same
-``summarize``.
+priorities through the runtime's own per-layer loop (:class:`~specprefetch.runtime.layer.LayerLoop`: cancel/promote
+at ``t_exec``, pin, demand loads, selection and prefetch issue in priority order, waits, release, accounting) and
+the *same* :class:`~specprefetch.runtime.cache.ExpertCache`, with the same
+:class:`~specprefetch.runtime.storage.BandwidthModel`, over a discrete-event I/O backend (``_SimIO``, an
+:class:`~specprefetch.runtime.iobackend.IOBackend`): compute takes the profiled per-layer durations
+(:class:`ComputeProfile`, charged by ``_SimWork``: the whole layer at once on the ``compute_opt`` path, an equal
+share per expert on the eager loop), each transfer occupies one of ``io_workers`` servers for its modelled time.
+It produces the runtime's own :class:`~specprefetch.runtime.timeline.LayerEvent` records, so counters and
+ReadyRecall come from the same ``summarize``.
 
 Inputs: a list of :class:`SimSequence` (prefill step + decoding steps, each with the top-K rows of every MoE
-layer and, for predicting policies, the priorities the layer's provider produced) from a recorded runtime run
-(:func:`sequences_from_events`) or from a routing trace and a predictor (:func:`sequences_from_trace`);
-a :class:`ComputeProfile` (profiled on this machine by ``profile_window`` or a platform's published figures).
+layer and, for predicting policies, the priorities the layer's provider produced) from recorded routing -- a
+benchmark's routing record or a runtime's events (:func:`sequences_from_record`) -- or from a routing trace and a
+predictor (:func:`sequences_from_trace`); a :class:`ComputeProfile` (profiled on this machine by
+``profile_window`` or a platform's published figures). Naive Prefetch's priorities, when not recorded, come from
+the provider the runtime runs (:func:`~specprefetch.runtime.priority.builtin_provider`), fed the replayed routing.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import itertools
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +37,8 @@ from specprefetch.contracts import POLICIES, POLICY
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.budget import layer_budget
 from specprefetch.runtime.cache import ExpertCache, Key
-from specprefetch.runtime.layer import acquire, begin_layer, issue_prefetches
-from specprefetch.runtime.priority import PreviousTokenPriority
+from specprefetch.runtime.layer import LayerLoop
+from specprefetch.runtime.priority import PriorityProvider, builtin_provider
 from specprefetch.runtime.storage import BandwidthModel, StorageProfile
 from specprefetch.runtime.timeline import LayerEvent, RunStats, summarize
 
@@ -112,13 +115,19 @@ class _Tr:
     unneeded: bool = False
     charged: bool = True
 
+    @property
+    def finished(self) -> bool:
+        return self.state in ("done", "failed", "cancelled")
+
 
 class _SimIO:
-    """I/O workers + prioritised queue on the virtual clock (mirrors runtime.transfer.TransferEngine).
+    """I/O workers + prioritised queue on the virtual clock: the simulator's
+    :class:`~specprefetch.runtime.iobackend.IOBackend` (mirrors runtime.transfer.TransferEngine).
 
-    Workers serve prefetches only, sleep when none is queued, and are woken one per prefetch submission; demand
-    loads (and promoted prefetches not yet started) are performed by the compute thread itself (``steal``) when the
-    layer needs them, as the runtime does.
+    ``clock`` is the compute thread's time: it moves when compute is charged (``account``), when the compute
+    thread waits for a transfer, and when it performs one itself. Workers serve prefetches only, sleep when none is
+    queued, and are woken one per prefetch submission; demand loads (and promoted prefetches not yet started) are
+    performed by the compute thread itself (``steal`` + ``execute``) when the layer needs them, as the runtime does.
     """
 
     def __init__(self, cache: ExpertCache, storage: StorageProfile, n_workers: int, overhead_s: float,
@@ -132,10 +141,22 @@ class _SimIO:
         self.running: list[tuple[float, int, _Tr, int]] = []
         self.active: dict[Key, _Tr] = {}
         self.log: list[_Tr] = []
-        self.now = 0.0
+        self.clock = 0.0
         self._seq = itertools.count()
         self.charge_delays = True  # cleared during prefill steps, as the runtime does
 
+    # -------------------------------------------------------------- the clock
+    def now(self) -> float:
+        return self.clock
+
+    def account(self, seconds: float) -> None:
+        """The compute thread spent ``seconds``: the clock moves (completions are settled by ``poll``)."""
+        self.clock += seconds
+
+    def poll(self) -> None:
+        self.advance(self.clock)
+
+    # -------------------------------------------------------------- the queue
     def _end_of(self, start: float, charged: bool = True, demand: bool = False) -> float:
         if self.model is not None:
             return (self.model.schedule(start, demand=demand) if charged else start) + self.overhead_s
@@ -163,7 +184,8 @@ class _SimIO:
         tr.t_end = self._end_of(t, tr.charged)
         heapq.heappush(self.running, (tr.t_end, tr.seq, tr, worker))
 
-    def submit(self, key: Key, kind: str, step: int, t: float) -> _Tr:
+    def submit(self, key: Key, kind: str, step: int) -> _Tr:
+        t = self.clock
         tr = _Tr(key, kind, step, next(self._seq), DEMAND if kind == "demand" else PREFETCH, t,
                  charged=self.charge_delays)
         self.pending.append(tr)
@@ -180,7 +202,7 @@ class _SimIO:
         self.cache.fill(tr.key)
         if tr.unneeded:
             self.cache.demote(tr.key)
-        self.now = max(self.now, t)
+        self.clock = max(self.clock, t)
         self._start(worker, t)
         if tr.cls == DEMAND:
             self._wake(t)
@@ -190,49 +212,51 @@ class _SimIO:
         """Process every completion at or before ``until``, in time order."""
         while self.running and self.running[0][0] <= until:
             self._finish_next()
-        self.now = max(self.now, until)
+        self.clock = max(self.clock, until)
 
-    def steal(self, key: Key, t: float) -> float | None:
-        """The compute thread performs ``key``'s queued transfer from ``t``; returns its end (None: not queued)."""
+    def steal(self, key: Key) -> _Tr | None:
+        """The compute thread claims ``key``'s queued transfer from now (None: not queued)."""
         tr = self.active.get(key)
         if tr is None or tr.state != "pending":
             return None
         self.pending.remove(tr)
-        tr.state, tr.t_start = "running", t
-        tr.t_end = self._end_of(t, tr.charged, demand=True)
+        tr.state, tr.t_start = "running", self.clock
+        return tr
+
+    def execute(self, tr: _Tr) -> None:
+        """The compute thread performs the claimed ``tr``: the clock moves to its end."""
+        tr.t_end = self._end_of(tr.t_start, tr.charged, demand=True)
         self.advance(tr.t_end)
         tr.state = "done"
         del self.active[tr.key]
         self.cache.fill(tr.key)
         self._wake(tr.t_end)
-        return tr.t_end
+        self.clock = tr.t_end
 
-    def wait_for(self, key: Key, t: float) -> float:
-        """Make ``key`` resident (waiting for its worker, or performing it); returns the time it is."""
-        self.advance(t)
-        while not self.cache.is_resident(key):
-            end = self.steal(key, t)
-            if end is not None:
-                return end
-            if key not in self.active:
-                raise SimulationError(f"waiting for expert {key} that is neither resident nor in flight")
-            t = max(t, self._finish_next())
-        return t
+    def wait(self, tr: _Tr) -> None:
+        """The compute thread waits for the running ``tr``: completions are settled in time order until it is."""
+        while not tr.finished:
+            if not self.running:
+                raise SimulationError(f"waiting for the transfer of expert {tr.key}, which no worker serves")
+            self._finish_next()
 
-    def wait_any(self, t: float) -> float:
-        """Progress: the next running transfer finishes, or the compute thread performs the best queued one."""
-        self.advance(t)
+    def wait_any(self, timeout: float = 5.0) -> bool:
+        """Progress: the next running transfer finishes, or the compute thread performs the best queued one
+        (``timeout``: the engine's, moot on the virtual clock). False when nothing is queued or running."""
+        self.advance(self.clock)
         if self.running:
-            return max(t, self._finish_next())
+            self._finish_next()
+            return True
         if self.pending:
             tr = min(self.pending, key=lambda p: (p.cls, p.seq))
-            return self.steal(tr.key, t) or t
-        return t
+            if self.steal(tr.key) is tr:
+                self.execute(tr)
+            return True
+        return False
 
-    def drain(self, t: float) -> float:
-        while self.active:
-            t = self.wait_any(t)
-        return t
+    def drain(self) -> None:
+        while self.wait_any():
+            pass
 
     def inflight(self, key: Key) -> _Tr | None:
         return self.active.get(key)
@@ -252,6 +276,104 @@ class _SimIO:
                 self.cache.cancel(tr.key)
                 out.append(tr)
         return out
+
+
+class ReplayPriority(PriorityProvider):
+    """A predicting policy's priorities in a replay: the step's recorded ones (what the runtime's provider
+    produced), else those of ``live`` -- the provider the runtime runs, fed the replayed routing (Naive Prefetch's,
+    :func:`~specprefetch.runtime.priority.builtin_provider`). ``empty_when_zero`` is the producing provider's."""
+
+    def __init__(self, policy: str, live: PriorityProvider | None, empty_when_zero: bool) -> None:
+        self.policy = policy
+        self.live = live
+        self.name = live.name if live is not None else policy
+        self.empty_when_zero = empty_when_zero
+        self.step = -1
+        self.current: SimStep | None = None
+
+    def at(self, step: int, st: SimStep) -> None:
+        """The step being replayed."""
+        self.step, self.current = step, st
+
+    def reset(self) -> None:
+        if self.live is not None:
+            self.live.reset()
+
+    def scores(self, layer: int, x: Tensor | None) -> Any:
+        st = self.current
+        s = st.scores[layer] if st is not None and layer < len(st.scores) else None
+        if s is None and self.live is not None:
+            s = self.live.scores(layer, x)
+        elif s is None:
+            raise SimulationError(f"policy {self.policy!r}: step {self.step} layer {layer} has no recorded "
+                                  "priorities")
+        return s
+
+    def observe(self, layer: int, top_k_index: Tensor, top_k_weights: Tensor) -> None:
+        if self.live is not None:
+            self.live.observe(layer, top_k_index, top_k_weights)
+
+
+def replay_provider(policy: str, n_layers: int, n_experts: int) -> ReplayPriority | None:
+    """The simulator's provider of ``policy`` (None: it does not predict): recorded priorities, else the runtime's
+    built-in provider; ``empty_when_zero`` from the provider that produced them (the built-in one, or the trained
+    predictor's class)."""
+    pol = POLICY[policy]
+    if not pol.predicts:
+        return None
+    live = builtin_provider(policy, n_layers, n_experts)
+    if live is not None:
+        return ReplayPriority(policy, live, live.empty_when_zero)
+    from specprefetch.predictors.base import predictor_class
+
+    return ReplayPriority(policy, None, bool(predictor_class(str(pol.provider)).empty_when_zero))
+
+
+class _SimWork:
+    """The simulator's compute (a :class:`~specprefetch.runtime.layer.LayerWork`): the profiled durations of
+    :class:`ComputeProfile` charged to the virtual clock; the provider observes the replayed routing."""
+
+    def __init__(self, io: _SimIO, compute: ComputeProfile, replay: ReplayPriority | None) -> None:
+        self.io = io
+        self.compute = compute
+        self.replay = replay
+        self.layer = 0
+        self.st: SimStep | None = None
+        self.per_expert = 0.0
+
+    def at(self, layer: int, st: SimStep) -> _SimWork:
+        self.layer, self.st = layer, st
+        return self
+
+    def scores(self, provider: PriorityProvider, layer: int) -> Any:
+        self.io.account(self.compute.pred_s[layer])
+        return provider.scores(layer, None)
+
+    def prepared(self, ev: LayerEvent, predicted: bool, batched: bool) -> None:
+        c, l = self.compute, self.layer
+        if predicted:
+            self.io.account(c.post_pred_s[l] + c.cpu_per_prefetch_s * len(ev.issued))
+        else:
+            self.io.account(c.book_s[l])
+        self.per_expert = c.moe_s[l] / max(1, len(ev.required))
+
+    def expert(self, key: Key, slot: int) -> None:
+        self.io.account(self.per_expert)
+
+    def batched(self, keys: list[Key], slots: list[int], release: Callable[[], None]) -> None:
+        release()
+        self.io.account(self.compute.moe_s[self.layer])
+
+    def finish(self, provider: PriorityProvider | None) -> None:
+        if provider is None or self.replay is None or self.replay.live is None:
+            return  # nothing observes the routing: skip building its tensors
+        last = self.st.topk[self.layer][-1]  # the step's last token is the "previous" one next step
+        w = self.st.weights[self.layer] if self.st.weights is not None else [1.0] * len(last)
+        provider.observe(self.layer, torch.tensor([last]), torch.tensor([w], dtype=torch.float32))
+
+
+def _transfer_lost(key: Key) -> SimulationError:
+    return SimulationError(f"expert {key} is neither resident nor in flight (its transfer was lost)")
 
 
 @dataclass
@@ -275,7 +397,8 @@ def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity
         raise SimulationError("nothing to simulate: no sequences")
     n_layers = len(sequences[0].steps[0].topk)
     compute.check(n_layers)
-    preload = preload or policy == "resident"
+    pol = POLICY[policy]
+    preload = preload or pol.preload
     cap = n_layers * n_experts if preload else min(capacity, n_layers * n_experts)
     if cap < top_k:
         raise SimulationError(f"cache capacity {cap} < top_k {top_k}")
@@ -283,124 +406,51 @@ def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity
     if preload:
         cache.preload((l, e) for l in range(n_layers) for e in range(n_experts))
     io = _SimIO(cache, storage, io_workers, compute.io_overhead_s, fixed_transfer_s)
-    pol = POLICY[policy]
-    predicting = pol.predicts
-    naive = PreviousTokenPriority(n_layers, n_experts) if pol.predicts and pol.provider is None else None
-    events: list[LayerEvent] = []
-    issued: dict[tuple[int, int], list[_Tr]] = defaultdict(list)
-    t = 0.0
+    replay = replay_provider(policy, n_layers, n_experts)
+    loop = LayerLoop(cache, io, replay, pol.issues, n_layers, n_experts,
+                     lambda layer: layer_budget(m_max, layer_m_max, layer),
+                     compute_opt=compute_opt, sync=sync, load_error=_transfer_lost)
+    work = _SimWork(io, compute, replay)
     step = -1
     n_tok, dec_s = 0, 0.0
     for seq in sequences:
-        if naive is not None:
-            naive.reset()
+        if replay is not None:
+            replay.reset()
         ends = []
         for st in seq.steps:
             step += 1
+            if replay is not None:
+                replay.at(step, st)
             for l in range(n_layers):
-                budget = layer_budget(m_max, layer_m_max, l + 1)
-                t = _layer(l, st, step, t, io, cache, events, issued, policy, predicting, naive, budget,
-                           n_experts, n_layers, compute, compute_opt, sync)
-                t += compute.gap_s[l] if l + 1 < n_layers else compute.head_s
-            ends.append(t)
+                loop.run(step, l, st.topk[l], work.at(l, st))
+                io.account(compute.gap_s[l] if l + 1 < n_layers else compute.head_s)
+            ends.append(io.now())
         if len(ends) > 1:
             n_tok += len(ends) - 1
             dec_s += ends[-1] - ends[0]
-    stats = summarize(events, top_k)
+    stats = summarize(loop.events, top_k)
     stats.peak_cache_experts = cache.peak_used
-    return SimResult(stats, n_tok / dec_s if dec_s > 0 else float("nan"), events, n_tok, dec_s)
-
-
-def _layer(l: int, st: SimStep, step: int, t: float, io: _SimIO, cache: ExpertCache, events: list[LayerEvent],
-           issued: dict[tuple[int, int], list[_Tr]], policy: str, predicting: bool,
-           naive: PreviousTokenPriority | None, m_max: int, n_experts: int, n_layers: int,
-           compute: ComputeProfile, compute_opt: bool, sync: bool) -> float:
-    rows = st.topk[l]
-    required = sorted({e for r in rows for e in r if 0 <= e < n_experts})
-    keys = [(l, e) for e in required]
-    io.advance(t)
-    io.charge_delays = len(rows) == 1
-    t_exec = t
-    ev = begin_layer(cache, io, issued, step, l, t_exec, rows, required)
-    events.append(ev)
-    protect = set(keys)
-    j = acquire(cache, io, keys, 0, protect, step, t)
-    # prediction and prefetch
-    if predicting and l + 1 < n_layers and len(rows) == 1:  # decoding steps only, as the runtime
-        t += compute.pred_s[l]
-        ev.t_pred = t
-        s = st.scores[l] if l < len(st.scores) else None
-        if s is None and naive is not None:
-            s = naive.scores(l, None)
-        if s is None and naive is None:
-            raise SimulationError(f"policy {policy!r}: step {step} layer {l} has no recorded priorities")
-        if s is not None:
-            io.advance(t)
-            issue_prefetches(cache, io, issued, ev, step, l, s, m_max, naive is not None, POLICY[policy].issues,
-                             protect, t)
-        t += compute.post_pred_s[l] + compute.cpu_per_prefetch_s * len(ev.issued)
-    else:
-        t += compute.book_s[l]
-    # compute
-    per_expert = compute.moe_s[l] / max(1, len(keys)) if not (compute_opt and len(rows) == 1) else 0.0
-    stall = 0.0
-    ev.t_compute = ev.t_ready = t
-    if compute_opt and len(rows) == 1:
-        t0 = t
-        while j < len(keys):
-            t = io.wait_any(t)
-            j = acquire(cache, io, keys, j, protect, step, t)
-        for k in keys:
-            t = io.wait_for(k, t)
-        stall = t - t0
-        ev.t_ready = t
-        for k in keys:
-            cache.unpin(k)
-        t += compute.moe_s[l]
-    else:
-        for i, k in enumerate(keys):
-            t0 = t
-            waited = j <= i or not cache.is_resident(k)
-            while j <= i:
-                t = io.wait_any(t)
-                j = acquire(cache, io, keys, j, protect, step, t)
-            t = io.wait_for(k, t)
-            if waited:
-                ev.t_ready = t
-            stall += t - t0
-            t += per_expert
-            cache.unpin(k)
-            protect.discard(k)
-            io.advance(t)
-            j = acquire(cache, io, keys, j, protect, step, t)
-    ev.stall_s = stall
-    if sync:
-        t = io.drain(t)
-    for k in keys:
-        cache.touch(k)
-    if naive is not None:
-        w = (st.weights[l] if st.weights is not None else [1.0] * len(rows[-1]))
-        naive.observe(l, torch.tensor([rows[-1]]), torch.tensor([w], dtype=torch.float32))
-    ev.t_done = t
-    io.advance(t)
-    return t
+    return SimResult(stats, n_tok / dec_s if dec_s > 0 else float("nan"), loop.events, n_tok, dec_s)
 
 
 # ------------------------------------------------------------------------------------------ inputs
-def sequences_from_events(events: Sequence[LayerEvent], n_layers: int) -> list[SimSequence]:
-    """Recorded runtime events (``record_routing``) -> sequences; a multi-token step starts a new sequence."""
-    steps: dict[int, dict[int, LayerEvent]] = defaultdict(dict)
-    for ev in events:
-        if ev.topk is None:
-            raise SimulationError("events were not recorded with record_routing=True")
-        steps[ev.step][ev.layer] = ev
+def sequences_from_record(rows: Sequence[Mapping[str, Any]], n_layers: int) -> list[SimSequence]:
+    """Recorded routing -> sequences; a multi-token step starts a new sequence. ``rows``: one mapping per layer
+    call with ``step``, ``layer``, ``topk`` ([tokens, K] expert ids) and ``scores`` (the priorities for ``layer+1``
+    or None): a benchmark's routing record, or a runtime's events (``record_routing``) through
+    :func:`~specprefetch.runtime.timeline.routing_rows`."""
+    steps: dict[int, dict[int, Mapping[str, Any]]] = defaultdict(dict)
+    for row in rows:
+        if row.get("topk") is None:
+            raise SimulationError("the routing was not recorded (record_routing=True): an event has no top-k")
+        steps[int(row["step"])][int(row["layer"])] = row
     seqs: list[SimSequence] = []
     for s in sorted(steps):
         layers = steps[s]
         if len(layers) != n_layers:
-            raise SimulationError(f"step {s} has {len(layers)} layer events, expected {n_layers}")
-        st = SimStep(topk=[layers[l].topk.tolist() for l in range(n_layers)],
-                     scores=[layers[l].scores for l in range(n_layers)])
+            raise SimulationError(f"recorded step {s} has {len(layers)} layers, expected {n_layers}")
+        st = SimStep(topk=[torch.as_tensor(layers[l]["topk"]).long().tolist() for l in range(n_layers)],
+                     scores=[layers[l].get("scores") for l in range(n_layers)])
         if st.n_tokens > 1 or not seqs:
             seqs.append(SimSequence([]))
         seqs[-1].steps.append(st)

@@ -47,6 +47,13 @@ class LayerEvent:
         return self.stall_s
 
 
+def routing_rows(events: Iterable[LayerEvent]) -> list[dict[str, Any]]:
+    """The recorded routing of a run's events (``record_routing``): one ``{step, layer, topk, scores}`` row per
+    layer call, the form of a benchmark's routing record and the simulator's input
+    (:func:`~specprefetch.runtime.simulator.sequences_from_record`)."""
+    return [{"step": ev.step, "layer": ev.layer, "topk": ev.topk, "scores": ev.scores} for ev in events]
+
+
 def ready_recall_of(topk_rows: Sequence[Sequence[int]], available: Iterable[int], k: int) -> float:
     """Mean over tokens of |T_t ∩ A| / K for one layer event (the definition, for scripted checks)."""
     avail = set(available)

@@ -64,7 +64,8 @@ class Transfer:
 
 
 class TransferEngine:
-    """The I/O worker pool. All queue/cache mutations happen under ``cache.lock`` (one lock, no ordering issues)."""
+    """The I/O worker pool. All queue/cache mutations happen under ``cache.lock`` (one lock, no ordering issues).
+    The per-layer loop's wall-clock :class:`~specprefetch.runtime.iobackend.IOBackend`."""
 
     def __init__(self, reader: ExpertReader, cache: ExpertCache, pool: SlotPool, n_workers: int = 4,
                  retries: int = 2) -> None:
@@ -87,10 +88,20 @@ class TransferEngine:
         for w in self.workers:
             w.start()
 
+    # -------------------------------------------------------------- the clock (IOBackend)
+    def now(self) -> float:
+        """The wall clock (``time.perf_counter``)."""
+        return time.perf_counter()
+
+    def account(self, seconds: float) -> None:
+        """Nothing to charge: on the wall clock the compute took its time already."""
+
+    def poll(self) -> None:
+        """Nothing to settle: the I/O threads finish their transfers themselves."""
+
     # -------------------------------------------------------------- control (caller holds no lock or cache.lock)
-    def submit(self, key: Key, kind: str, step: int, t: float | None = None) -> Transfer:
-        """Queue a transfer of ``key`` into its reserved slot (the caller reserved it under ``cache.lock``); ``t`` is
-        the simulator's clock in the shared interface (:mod:`.layer`), unused: the engine reads the wall clock."""
+    def submit(self, key: Key, kind: str, step: int) -> Transfer:
+        """Queue a transfer of ``key`` into its reserved slot (the caller reserved it under ``cache.lock``)."""
         with self.cond:
             tr = Transfer(key, kind, step, next(self._seq), DEMAND if kind == "demand" else PREFETCH,
                           t_submit=time.perf_counter(), charged=self.charge_delays)
