@@ -435,7 +435,7 @@ CASES = [
          "predictor trained for model 'tiny-qwen3-vl-moe'"),
     Case("trace-of-another-model", _simulate(trace_model="tiny-qwen3-vl-moe"), "trace of model 'tiny-qwen3-vl-moe'"),
     # ---- recall CSVs
-    Case("recall-truncated", _gather_recall(lambda p: _truncate(p, 0.9)), "recall-shard.csv: column 'M', line 3"),
+    Case("recall-truncated", _gather_recall(lambda p: _truncate(p, 0.9)), "recall-shard.csv: column 'method', line 3"),
     Case("recall-empty", _gather_recall(lambda p: p.write_text("")), "empty file"),
     Case("recall-missing-column", _gather_recall(lambda p: p.write_text("model,workload\na,b\n")),
          "missing column(s) 'method'"),
