@@ -192,11 +192,12 @@ def test_a_plugin_is_trained_evaluated_and_rendered(plugin: Path, tmp_path: Path
     cfg = copy.deepcopy(load_config(REPO / "config" / "smoke.yaml"))
     cfg["predictors"]["methods"] = [*cfg["predictors"]["methods"], PLUGIN]
     cfg["predictors"]["training"].update(batch_tokens=64, lr=1e-2)
+    cfg["predictors"][PLUGIN] = {"note": "its own block"}  # the plugin's config section: handed to its class
     validate_config(cfg)
     corpus = make_trace(tmp_path / "corpus", n_samples=40)
     meta = train_predictor(cfg, MODEL, PLUGIN, corpus, tmp_path / "pred" / PLUGIN)
     assert meta["method"] == PLUGIN and meta["trainable_params"] == 2 * (32 * 16 + 16)  # L-1 = 2 pairs, D=32, n=16
-    assert meta["final_loss"] < meta["loss_curve"][0]
+    assert meta["final_loss"] < meta["loss_curve"][0] and meta["method_cfg"] == {"note": "its own block"}
     train_predictor(cfg, MODEL, "previous_token", corpus, tmp_path / "pred" / "previous_token")
 
     trace = make_trace(tmp_path / "eval", workload="w", n_samples=12)  # the same model (seed), a workload's name
