@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from specprefetch.contracts import EMULATED, RUN_COLUMNS
 from specprefetch.io import SpecPrefetchError, atomic_path
+from specprefetch.registry import runtime_providers
 from specprefetch.runtime.bench import Signature, parse_layer_budgets, plan_experiments, write_runs_csv
 from specprefetch.runtime.platforms import (
     calibrate_bandwidth,
@@ -199,7 +200,7 @@ def simulate_platform(platform: str, model: str, arch: str, trace_readers: Seque
     max_samples = int(settings["simulator"]["max_samples"])
     seqs_by_policy: dict[str, list[SimSequence]] = {}
     base = [s for r in trace_readers for s in sequences_from_trace(r, None, max_samples)]
-    for pol in ("specprefetch", "fate"):
+    for pol in runtime_providers():  # SpecPrefetch, FATE, plugin policies: each named as its provider
         if pol in providers:
             seqs_by_policy[pol] = [s for r in trace_readers
                                    for s in sequences_from_trace(r, providers[pol](), max_samples)]
