@@ -319,7 +319,7 @@ def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
                 raise ConfigError(f"invalid config key 'predictors.{method}.{key}': unknown model(s) "
                                   f"{', '.join(unknown)} (models: {', '.join(cfg['models'])})")
     dm = cfg["predictors"].get("draft_model")
-    for name in cfg["models"] if dm else ():
+    for name in cfg["models"] if dm and "size" not in dm else ():  # a size rule solves d_model in heads' multiples
         d_model = (dm.get("d_model_per_model") or {}).get(name, dm["d_model"])
         heads = (dm.get("num_heads_per_model") or {}).get(name, dm["num_heads"])
         if d_model % heads:
@@ -330,11 +330,15 @@ def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
 def _check_path(value: str | None, key: str, base_dir: Path) -> None:
     if not value:
         raise ConfigError(f"invalid config key '{key}': a path is required")
+    from specprefetch.contracts import excerpt, path_problem
+
     p = Path(value)
     if not p.is_absolute():
         p = base_dir / p
-    if not p.exists():
-        raise ConfigError(f"invalid config key '{key}': file not found: {value}")
+    why = path_problem(p)  # stat only: an over-long path, a loop or a FIFO is one line, nothing is opened
+    if why is not None and why != "is a directory":  # a local model is a directory
+        raise ConfigError(f"invalid config key '{key}': {'file not found' if why == 'not found' else why}: "
+                          f"{excerpt(value) if len(value) > 200 else value}")
 
 
 def load_config(path: str | Path) -> dict[str, Any]:

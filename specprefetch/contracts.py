@@ -48,6 +48,7 @@ METHODS: Sequence[str] = NameView(registry.methods, "predictor method")
 EXPERIMENTS = ("main", "matched", "sweep", "storage", "component", "budget")
 # latency.csv: the per-layer breakdown of Figure 1(a)
 LATENCY_MODES = ("resident", "on_demand")
+REALISM_TOKEN_TYPES = ("all", "text", "image")  # the realism table's token split (traces' is_image flag)
 LATENCY_PARTS = ("attention", "router", "expert_load", "moe_compute", "other")
 
 # The format string of every artefact (its manifest's or document's ``format``); a reader accepts only its own.
@@ -81,11 +82,7 @@ def _os_reason(exc: OSError) -> str:
 
 
 def read_bytes(path: str | os.PathLike, what: str) -> bytes:
-    path = Path(path)
-    if not path.exists():
-        raise ContractError(f"{path}: {what} not found")
-    if path.is_dir():
-        raise ContractError(f"{path}: is a directory, expected {what}")
+    path = regular_file(path, what)  # a FIFO, device, loop or over-long path is refused before open
     try:
         return path.read_bytes()
     except OSError as exc:
@@ -133,13 +130,20 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 
 def parse_yaml(text: str, where: str) -> Any:
+    loader = _UniqueKeyLoader(text)  # a SafeLoader subclass
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        yaml_expanded_size(node, where)  # aliases bounded before anything is constructed
+        return loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ContractError(f"{where}{line}: not valid YAML ({problem})") from None
+    finally:
+        loader.dispose()
 
 
 def _unique_pairs(where: str):
@@ -219,7 +223,7 @@ def csv_rows(path: str | os.PathLike, what: str) -> Iterator[tuple[int, list[str
     """Yield (line number, cells) of a CSV file; decoding, quoting and field-size errors are one line."""
     path = Path(path)
     text = read_text(path, what)
-    reader = csv.reader(text.splitlines())
+    reader = csv.reader(text.splitlines(keepends=True))  # keepends: a quoted cell's newline is kept, not dropped
     last = 0
     try:
         for cells in reader:
@@ -261,17 +265,20 @@ class Column:
     hi: float | None = None
     lo_open: bool = False
     nullable: bool = False
+    default: str | None = None  # a column older files lack: read as this value (recall's seed: "0")
 
 
 
 CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
     "recall": (
-        Column("model"), Column("workload"), Column("method", allowed=METHODS), Column("M", "int", lo=1),
+        Column("model"), Column("workload"), Column("method", allowed=METHODS),
+        Column("seed", "int", lo=0, default="0"), Column("M", "int", lo=1),
         Column("expert_recall", "float", lo=0.0, hi=1.0), Column("n_tokens", "int", lo=0, lo_open=True),
     ),
     "per_layer": (
-        Column("model"), Column("workload"), Column("method", allowed=METHODS), Column("M", "int", lo=1),
-        Column("layer", "int", lo=0), Column("expert_recall", "float", lo=0.0, hi=1.0),
+        Column("model"), Column("workload"), Column("method", allowed=METHODS),
+        Column("seed", "int", lo=0, default="0"), Column("M", "int", lo=1), Column("layer", "int", lo=0),
+        Column("expert_recall", "float", lo=0.0, hi=1.0),
     ),
     "params": (Column("model"), Column("method", allowed=METHODS), Column("trainable_params", "int", lo=0)),
     "runs": (
@@ -294,12 +301,20 @@ CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
         Column("platform"), Column("model"), Column("mode", allowed=LATENCY_MODES), Column("layer", "int", lo=0),
         Column("component", allowed=LATENCY_PARTS), Column("ms", "float", lo=0.0),
     ),
+    # results/realism/realism.csv (traces.realism): per model, workload and token type, FATE R@K and the routing
+    # properties behind it (adjacent router-input cosine, normalised expert-load entropy)
+    "realism": (
+        Column("model"), Column("workload"), Column("tokens", allowed=REALISM_TOKEN_TYPES), Column("M", "int", lo=1),
+        Column("n_tokens", "int", lo=0, lo_open=True), Column("fate_recall", "float", lo=0.0, hi=1.0),
+        Column("input_cosine", "float", lo=-1.0, hi=1.0), Column("load_entropy", "float", lo=0.0, hi=1.0),
+    ),
 }
 
 # Column names in file order (the writers' headers); runs.csv has more columns than its contract checks.
 RECALL_COLUMNS = [c.name for c in CSV_CONTRACTS["recall"]]
 PER_LAYER_COLUMNS = [c.name for c in CSV_CONTRACTS["per_layer"]]
 PARAM_COLUMNS = [c.name for c in CSV_CONTRACTS["params"]]
+REALISM_COLUMNS = [c.name for c in CSV_CONTRACTS["realism"]]
 RUN_COLUMNS = [
     "platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat", "tokens_per_s",
     "ready_recall", "n_tokens", "hits", "misses", "prefetched", "wasted", "stall_ms", "source",
@@ -384,6 +399,9 @@ def check_csv(path: str | os.PathLike, contract: str) -> pd.DataFrame:
     df = read_csv(path, (), f"{contract} results CSV", dtype=str, keep_default_na=False, na_values=[""])
     df.columns = [str(c).strip() for c in df.columns]
     cols = CSV_CONTRACTS[contract]
+    for col in cols:
+        if col.default is not None and col.name not in df.columns:
+            df[col.name] = col.default
     missing = [c.name for c in cols if c.name not in df.columns]
     if missing:
         raise ContractError(f"{path}: missing column(s) {', '.join(repr(m) for m in missing)} "
@@ -413,8 +431,9 @@ def member(root: str | os.PathLike, name: Any, what: str) -> Path:
     path = root / name
     try:
         inside = path.resolve().is_relative_to(root.resolve())
-    except OSError:
-        inside = False
+    except (OSError, RuntimeError) as exc:  # Python 3.11 raises RuntimeError for a symlink loop
+        why = "a symlink loop" if isinstance(exc, RuntimeError) else _os_reason(exc)
+        raise ContractError(f"{root}: {what} names {excerpt(name)}, which cannot be resolved ({why})") from None
     if not inside:
         raise ContractError(f"{root}: {what} names {name!r}, which resolves outside {root}")
     return path
@@ -425,10 +444,7 @@ def load_safetensors(path: str | os.PathLike, what: str, device: str = "cpu") ->
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = Path(path)
-    if not path.is_file():
-        raise ContractError(f"{path}: {what} not found" if not path.is_dir() else f"{path}: is a directory, "
-                            f"expected {what}")
+    path = regular_file(path, what)
     try:
         return load_file(str(path), device=device)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
@@ -472,10 +488,7 @@ def load_tensor_tree(path: str | os.PathLike, fmt: str, what: str) -> Any:
     """Read what ``save_tensor_tree`` wrote; the format string and every tensor reference are checked."""
     from safetensors import SafetensorError, safe_open
 
-    path = Path(path)
-    if not path.is_file():
-        raise ContractError(f"{path}: {what} not found" if not path.is_dir() else f"{path}: is a directory, "
-                            f"expected {what}")
+    path = regular_file(path, what)
     try:
         with safe_open(str(path), framework="pt") as st:
             raw = (st.metadata() or {}).get("tree")
@@ -501,3 +514,251 @@ def load_tensor_tree(path: str | os.PathLike, fmt: str, what: str) -> Any:
         return obj
 
     return fill(doc["tree"])
+
+
+# ================================================================================================ hostile values
+# Value contracts (issue 30): a file that parses and has the right keys can still hold NaN, a negative count, an id
+# that indexes nothing or a name with a newline in it; and a path can be a FIFO, a device or a symlink loop. The
+# checks below run before any value is used or any file is opened; each failure is one line naming file and field.
+
+PATH_MAX_BYTES = 4096        # Linux PATH_MAX: a longer path is refused before the OS is asked about it
+NAME_MAX_BYTES = 255         # one path component
+EXCERPT_CHARS = 80           # an error echoes at most this much of a value
+YAML_MAX_NODES = 200_000     # a config's expanded size (scalars, sequences, mappings): aliases cannot inflate it
+MAX_IMAGE_PIXELS = 64 << 20  # a workload image's pixel budget (64 Mpx), checked from its header before decoding
+
+
+def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
+    """``repr(value)`` cut to ``limit`` characters (with the total length), so an error line stays short."""
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def path_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be read as a regular file (too long, NUL, missing, loop, directory, FIFO, device), else
+    None. Only ``stat`` is called: nothing is opened, so a FIFO cannot block."""
+    import errno
+    import stat
+
+    raw = os.fsencode(path)
+    if len(raw) > PATH_MAX_BYTES or any(len(part) > NAME_MAX_BYTES for part in raw.split(b"/")):
+        return f"path too long ({len(raw)} bytes)"
+    if b"\x00" in raw:
+        return "path contains a NUL byte"
+    try:
+        st = os.stat(raw)
+    except (FileNotFoundError, NotADirectoryError):
+        return "not found"
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symlink loop"
+        if exc.errno == errno.ENAMETOOLONG:
+            return "path too long"
+        return f"cannot be read ({_os_reason(exc)})"
+    if stat.S_ISDIR(st.st_mode):
+        return "is a directory"
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a character device" if stat.S_ISCHR(st.st_mode)
+                else "a block device" if stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "not a regular file")
+        return f"is {kind}, not a regular file"
+    return None
+
+
+def regular_file(path: str | os.PathLike, what: str) -> Path:
+    """``path`` if it is a regular file that ends, else one line (messages as read_bytes always gave them)."""
+    why = path_problem(path)
+    if why is None:
+        return Path(path)
+    shown = str(path) if len(os.fsencode(path)) <= PATH_MAX_BYTES else excerpt(str(path))
+    if why == "not found":
+        raise ContractError(f"{shown}: {what} not found")
+    if why == "is a directory":
+        raise ContractError(f"{shown}: is a directory, expected {what}")
+    raise ContractError(f"{shown}: {why}, expected {what}")
+
+
+def yaml_expanded_size(node: yaml.Node, where: str, limit: int = YAML_MAX_NODES) -> int:
+    """Nodes a composed YAML document expands to (an alias counts its whole target each time it is used), without
+    expanding it: a 1 KB alias bomb (9^9) is refused here instead of exhausting memory later."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(n: yaml.Node) -> int:
+        key = id(n)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise ContractError(f"{where}:{n.start_mark.line + 1}: recursive YAML alias")
+        active.add(key)
+        total = 1
+        if isinstance(n, yaml.SequenceNode):
+            total += sum(size(c) for c in n.value)
+        elif isinstance(n, yaml.MappingNode):
+            total += sum(size(k) + size(v) for k, v in n.value)
+        active.discard(key)
+        if total > limit:
+            raise ContractError(f"{where}:{n.start_mark.line + 1}: YAML expands to more than {limit} nodes "
+                                "(aliases of aliases); a config is small")
+        sizes[key] = total
+        return total
+
+    try:
+        return size(node)
+    except RecursionError:
+        raise ContractError(f"{where}: YAML nested too deeply") from None
+
+
+def finite(value: Any, where: str, key: str, lo: float | None = None, hi: float | None = None,
+           integer: bool = False, positive: bool = False) -> float:
+    """A real number (an int if ``integer``), finite, in [lo, hi] (> 0 if ``positive``); else one line."""
+    import math
+    import numbers
+
+    ok_type = (isinstance(value, numbers.Integral) if integer else isinstance(value, numbers.Real))
+    if isinstance(value, bool) or not ok_type:
+        raise ContractError(f"{where}: {key} must be {'an integer' if integer else 'a number'}, "
+                            f"got {type(value).__name__} {excerpt(value)}")
+    if not math.isfinite(value):
+        raise ContractError(f"{where}: {key} is {value}, must be finite")
+    if positive and value <= 0:
+        raise ContractError(f"{where}: {key}={value} must be > 0")
+    if lo is not None and value < lo:
+        raise ContractError(f"{where}: {key}={value} must be >= {lo}")
+    if hi is not None and value > hi:
+        raise ContractError(f"{where}: {key}={value} must be <= {hi}")
+    return value
+
+
+def check_numbers(obj: Any, where: str, key: str = "", lo: float | None = None, nan_ok: bool = False,
+                  numbers_only: bool = False) -> None:
+    """Every number anywhere in ``obj`` (nested dicts and lists) >= ``lo`` and finite (NaN allowed, as "not
+    measured", when ``nan_ok``; never ±Inf); with ``numbers_only`` every leaf must be a number."""
+    import math
+
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            check_numbers(v, where, f"{key}.{k}" if key else str(k), lo, nan_ok, numbers_only)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            check_numbers(v, where, f"{key}[{i}]", lo, nan_ok, numbers_only)
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        if not (nan_ok and math.isnan(obj)):
+            finite(obj, where, key, lo=lo)
+    elif numbers_only:
+        finite(obj, where, key)  # raises: names the key and what it holds
+
+
+def check_label(value: Any, where: str, key: str, max_len: int = 200) -> str:
+    """A name that reaches a CSV cell or LaTeX: text without control characters (a newline would split a row or a
+    table line), at most ``max_len`` characters."""
+    if not isinstance(value, str):
+        raise ContractError(f"{where}: {key} must be text, got {type(value).__name__} {excerpt(value)}")
+    bad = next((c for c in value if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 or c in "\u2028\u2029"), None)
+    if bad is not None:
+        raise ContractError(f"{where}: {key} {excerpt(value)} holds control character {bad!r}")
+    if len(value) > max_len:
+        raise ContractError(f"{where}: {key} {excerpt(value)} is longer than {max_len} characters")
+    return value
+
+
+WINDOW_SHAPE_KEYS = ("n_layers", "n_experts", "top_k", "payload_bytes", "io_workers")
+
+
+def check_window_profile(profile: Mapping[str, Any], where: str, required: Sequence[str] = ()) -> None:
+    """profile.json of profile-window: its shape keys (``WINDOW_SHAPE_KEYS``, those in ``required`` must be there)
+    are positive integers, and every number in it (durations, sizes, bandwidths, counts) is finite and >= 0."""
+    for key in WINDOW_SHAPE_KEYS:
+        if key in profile:
+            finite(profile[key], where, key, integer=True, positive=True)
+    missing = [k for k in required if k not in profile]
+    if missing:
+        raise ContractError(f"{where}: window profile lacks required key {missing[0]!r}")
+    if isinstance(profile.get("top_k"), int) and isinstance(profile.get("n_experts"), int) \
+            and profile["top_k"] > profile["n_experts"]:
+        raise ContractError(f"{where}: top_k={profile['top_k']} > n_experts={profile['n_experts']}")
+    for key, value in profile.items():
+        if key == "provenance":
+            continue
+        if key == "emulation_overshoot_ms":  # measured minus modelled time: either sign
+            check_numbers(value, where, key, nan_ok=True)
+        else:  # what the simulator reads must be measured (no NaN); a statistic may be NaN when nothing was timed
+            check_numbers(value, where, key, lo=0, nan_ok=key not in _WINDOW_SIM_INPUTS,
+                          numbers_only=key in _WINDOW_SIM_INPUTS and key != "transfer_ms")
+    transfer = profile.get("transfer_ms")
+    for storage, entry in (transfer.items() if isinstance(transfer, dict) else ()):  # the number the simulator reads
+        if isinstance(entry, dict) and "transfer_ms" in entry:
+            finite(entry["transfer_ms"], where, f"transfer_ms.{storage}.transfer_ms", lo=0)
+
+
+_WINDOW_SIM_INPUTS = ("n_layers", "n_experts", "top_k", "payload_bytes", "io_workers", "compute", "transfer_ms",
+                      "transfer_cpu_ms", "physical_model")
+
+
+_ROUTING_METRICS = ("tokens_per_s", "ready_recall", "hits", "misses", "prefetched", "wasted", "stall_ms")
+
+
+def check_routing_values(record: Mapping[str, Any], where: str, n_layers: int, n_experts: int,
+                         top_k: int) -> None:
+    """A routing record's values (its structure checked by simrun.check_routing_record): integer expert ids in
+    [0, n_experts), K = top_k ids per token, layers in [0, n_layers), steps >= 0, metrics finite and >= 0
+    (ready_recall a fraction, tokens_per_s > 0)."""
+    import torch
+
+    for key, run in record["runs"].items():
+        at = f"{where} run {excerpt(key)}"
+        for row_name, row in [("row", run["row"]), *((f"repeat {i}", r) for i, r in
+                                                     enumerate(run.get("repeats") or []))]:
+            for col in _ROUTING_METRICS:
+                if col in row:
+                    finite(row[col], f"{at} {row_name}", col, lo=0, hi=1 if col == "ready_recall" else None,
+                           positive=col == "tokens_per_s")
+            for col in ("m_max", "capacity_experts"):
+                if col in row:
+                    finite(row[col], f"{at} {row_name}", col, lo=0)
+        for i, ev in enumerate(run["events"]):
+            e = f"{at} event {i}"
+            finite(ev["step"], e, "step", lo=0, integer=True)
+            finite(ev["layer"], e, "layer", lo=0, hi=n_layers - 1, integer=True)
+            t = ev["topk"]
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise ContractError(f"{e}: 'topk' has dtype {str(t.dtype).removeprefix('torch.')}, expected "
+                                    "integer expert ids")
+            if t.shape[1] != top_k:
+                raise ContractError(f"{e}: 'topk' is {tuple(t.shape)}, expected {top_k} expert ids per token "
+                                    f"(top_k of the window profile)")
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n_experts):
+                bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
+                raise ContractError(f"{e}: 'topk' holds expert id {bad}, outside [0, {n_experts})")
+            s = ev.get("scores")
+            if s is not None and s.is_floating_point() and not bool(torch.isfinite(s).all()):
+                raise ContractError(f"{e}: 'scores' holds NaN or Inf")
+
+
+def check_finite_tensors(tensors: Mapping[str, Any], where: str) -> None:
+    """Floating-point tensors (predictor weights, trace inputs and logits) hold no NaN or Inf."""
+    import torch
+
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ContractError(f"{where}: tensor {excerpt(name)} holds NaN or Inf")
+
+
+def check_model_dims(dims: Mapping[str, Any], where: str) -> None:
+    """A predictor's (or trace's) shape numbers: positive integers, top_k <= n_experts."""
+    for key in ("n_layers", "hidden_size", "n_experts", "top_k"):
+        if key in dims:
+            finite(dims[key], where, f"dims.{key}", integer=True, positive=True)
+    if isinstance(dims.get("top_k"), int) and isinstance(dims.get("n_experts"), int) \
+            and dims["top_k"] > dims["n_experts"]:
+        raise ContractError(f"{where}: dims.top_k={dims['top_k']} > dims.n_experts={dims['n_experts']}")
+
+
+def check_pixel_budget(size: tuple[int, int], where: str, budget: int = MAX_IMAGE_PIXELS) -> None:
+    """An image's declared width x height (from its header; PIL decodes lazily) within ``budget`` pixels, checked
+    before any pixel is decoded: a 1 KB PNG can declare 10^10 pixels."""
+    w, h = size
+    if w <= 0 or h <= 0 or w * h > budget:
+        raise ContractError(f"{where}: image of {w} x {h} pixels exceeds the budget of {budget} pixels")

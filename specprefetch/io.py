@@ -17,14 +17,29 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
+MESSAGE_MAX_CHARS = 2000  # an error is one readable line: a hostile value it quotes cannot make it megabytes
+
+
+def bounded_message(message: str, limit: int = MESSAGE_MAX_CHARS) -> str:
+    """``message`` with its middle elided past ``limit`` characters (the start names the file, the end the fix)."""
+    if len(message) <= limit:
+        return message
+    head, tail = (limit * 3) // 5, limit // 5
+    return f"{message[:head]} ...[{len(message) - head - tail} characters omitted]... {message[-tail:]}"
+
 
 class SpecPrefetchError(RuntimeError):
-    """An error caused by bad input (config, files, checkpoints, traces, logs); the message names it."""
+    """An error caused by bad input (config, files, checkpoints, traces, logs); the message names it (bounded)."""
+
+    def __init__(self, *args: object) -> None:
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (bounded_message(args[0]),)
+        super().__init__(*args)
 
 
 @contextlib.contextmanager
@@ -55,6 +70,30 @@ def atomic_path(target: str | os.PathLike, is_dir: bool = False) -> Iterator[Pat
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def atomic_paths(targets: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
+    """Files that appear together or not at all (a table's .tex and .json): yield a temporary path per target
+    (in one temporary directory beside the first); after the block all are renamed into place. If the block or a
+    rename fails (a full disk), the temporaries and every target this group already renamed are removed again."""
+    paths = [Path(t) for t in targets]
+    paths[0].parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{paths[0].name}.", suffix=".tmp", dir=paths[0].parent))
+    works = [tmp / f"{i}-{p.name}" for i, p in enumerate(paths)]
+    done: list[Path] = []
+    try:
+        yield works
+        for work, target in zip(works, paths):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(work, target)
+            done.append(target)
+    except BaseException:
+        for target in done:
+            target.unlink(missing_ok=True)
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_text_atomic(target: str | os.PathLike, text: str) -> None:

@@ -127,7 +127,11 @@ def _write_routing(out: Path, model: str = MODEL) -> Path:
 
 @pytest.fixture(scope="session")
 def good(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("good")
+    return build_good(tmp_path_factory.mktemp("good"))
+
+
+def build_good(root: Path) -> dict[str, Path]:
+    """One valid artefact of each kind under ``root`` (test_hostile_values builds its own set with this)."""
     window = root / "window"
     window.mkdir()
     (window / "profile.json").write_text(json.dumps({"model": MODEL, "n_layers": L, "n_experts": N, "top_k": K}))

@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specprefetch.contracts import WORKLOAD_FORMAT, read_doc, read_jsonl, reraise_as
+from specprefetch.contracts import WORKLOAD_FORMAT, check_pixel_budget, path_problem, read_doc, read_jsonl, reraise_as
 from specprefetch.data.draft import Draft, seeded_order
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance, sha256_file
 
@@ -123,8 +123,10 @@ def read_samples_jsonl(path: Path, image_root: Path | None = None) -> list[Sampl
             seen[sample.id] = int(where.rsplit(":", 1)[1])
             if image_root is not None and sample.image is not None:
                 img = image_root / sample.image
-                if not img.is_file():
-                    raise WorkloadError(f"{where}: image file not found: {img} (sample {sample.id!r})")
+                why = path_problem(img)  # stat only: a FIFO, loop or directory is named, nothing is opened
+                if why is not None:
+                    raise WorkloadError(f"{where}: image file {'not found' if why == 'not found' else why}: {img} "
+                                        f"(sample {sample.id!r})")
             samples.append(sample)
     if not samples:
         raise WorkloadError(f"{path}: no samples")
@@ -330,10 +332,16 @@ def local_samples(name: str, w: dict[str, Any], seed: int) -> tuple[list[Sample]
         rel = None
         if s.image is not None:
             src = root / s.image
+            where = f"{path}: image {src} of sample {s.id!r}"
+            why = path_problem(src)  # before open: a FIFO would block, a directory or loop is no image
+            if why is not None:
+                raise WorkloadError(f"{where}: {why}")
             try:
                 with Image.open(src) as im:
+                    with reraise_as(WorkloadError):
+                        check_pixel_budget(im.size, where)  # from the header, before any pixel is decoded
                     data = png_bytes(im.convert("RGB"))
-            except (UnidentifiedImageError, OSError) as exc:
+            except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
                 raise WorkloadError(f"{path}: image {src} of sample {s.id!r} cannot be read: {exc}") from None
             rel = f"{IMAGES_DIR}/{i:05d}.png"
             images[rel] = data

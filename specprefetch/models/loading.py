@@ -323,6 +323,8 @@ def load_image(sample: Any, root: str | Path) -> Any:
     """The sample's image as an RGB PIL image (None for text-only samples); a missing file names the path."""
     from PIL import Image
 
+    from specprefetch.contracts import check_pixel_budget
+
     rel = _field(sample, "image")
     if rel is None:
         return None
@@ -331,8 +333,9 @@ def load_image(sample: Any, root: str | Path) -> Any:
         raise SpecPrefetchError(f"image file not found: {path} (sample {_field(sample, 'id')!r})")
     try:
         with Image.open(path) as img:
+            check_pixel_budget(img.size, f"{path} (sample {_field(sample, 'id')!r})")  # before decoding
             return img.convert("RGB")
-    except OSError as exc:
+    except (OSError, Image.DecompressionBombError) as exc:
         raise SpecPrefetchError(f"cannot read image {path}: {exc}") from None
 
 

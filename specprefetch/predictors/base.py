@@ -31,7 +31,15 @@ from torch import Tensor, nn
 
 from specprefetch import registry
 from specprefetch.contracts import METHODS as METHODS  # every method name, plugins included (a live view)
-from specprefetch.contracts import PREDICTOR_FORMAT, load_safetensors, member, read_doc, require
+from specprefetch.contracts import (
+    PREDICTOR_FORMAT,
+    check_finite_tensors,
+    check_model_dims,
+    load_safetensors,
+    member,
+    read_doc,
+    require,
+)
 from specprefetch.io import SpecPrefetchError, atomic_path, sha256_file, write_json_atomic
 
 WEIGHTS_FILE = "predictor.safetensors"
@@ -310,7 +318,7 @@ def read_meta(pred_dir: str | Path) -> dict[str, Any]:
         raise PredictorError(f"{path}: missing; {pred_dir} is not a saved predictor")
     meta = read_doc(path, PREDICTOR_FORMAT, "predictor metadata", required=("method", "dims", "weights"))
     require(meta, "method", str, str(path))
-    require(meta, "dims", dict, str(path))
+    check_model_dims(require(meta, "dims", dict, str(path)), str(path))  # positive ints, top_k <= n_experts
     weights = require(meta, "weights", dict, str(path))
     require(weights, "file", str, f"{path} weights")
     require(weights, "sha256", str, f"{path} weights")
@@ -329,6 +337,7 @@ def load_predictor(pred_dir: str | Path, map_location: str | torch.device = "cpu
     if digest != meta["weights"]["sha256"]:
         raise PredictorError(f"{wpath}: sha256 {digest[:12]}... does not match {META_FILE}: the file is corrupt")
     state = load_safetensors(wpath, "predictor weights", device=str(map_location))
+    check_finite_tensors(state, str(wpath))  # NaN weights would score as a (chance-level) result
     try:
         dims = PredictorDims.from_dict(meta["dims"])
     except TypeError as exc:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specprefetch.contracts import POLICY, ContractError, read_doc
+from specprefetch.contracts import POLICY, ContractError, check_window_profile, read_doc
 from specprefetch.io import SpecPrefetchError
 
 AUTO = "auto"
@@ -82,6 +82,7 @@ def read_window_profile(window_dir: str | os.PathLike, model: str | None = None)
         raise BudgetError(f"{path}: cannot read the window profile ({why}); run profile-window first") from None
     if model is not None and profile.get("model") != model:
         raise BudgetError(f"{path} is for model {profile.get('model')!r}, not {model!r}")
+    check_window_profile(profile, str(path))  # shape keys positive, every number finite and >= 0
     return profile
 
 

@@ -40,6 +40,7 @@ from specprefetch.contracts import (
     RUN_COLUMNS,
     RUN_KEY_COLUMNS,
     STORAGES,
+    check_label,
     csv_rows,
     read_jsonl,
     reraise_as,
@@ -119,6 +120,10 @@ def validate_row(raw: dict[str, Any], where: str) -> dict[str, Any]:
         if isinstance(v, (dict, list)) or (col in TEXT and not _empty(v) and not isinstance(v, str)):
             raise ExternalLogError(f"{where}: column {col!r}: {type(v).__name__} {v!r:.40}, expected "
                                    f"{'text' if col in TEXT else 'a number or boolean'}")
+    with reraise_as(ExternalLogError):  # names reach runs.csv and LaTeX: no newline, no control character
+        for col in TEXT:
+            if isinstance(raw.get(col), str):
+                check_label(raw[col], where, f"column {col!r}", max_len=2000 if col == "notes" else 200)
     platform = str(raw["platform"]).strip()
     if not _PLATFORM.match(platform):
         raise ExternalLogError(f"{where}: column 'platform': {platform!r} must match [A-Za-z0-9._-]+")

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from specprefetch.contracts import STORE_FORMAT, member, read_doc, require
+from specprefetch.contracts import STORE_FORMAT, finite, member, path_problem, read_doc, require, reraise_as
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -361,6 +361,10 @@ class ExpertStore:
             raise StoreError(f"{path}: missing; {self.root} is not a complete expert store")
         self.manifest: dict[str, Any] = read_doc(path, STORE_FORMAT, "expert-store manifest")
         m = self.manifest
+        with reraise_as(StoreError):  # sizes and counts: positive integers (a float, NaN or text is one line)
+            for key in ("n_layers", "n_experts", "record_bytes", "hidden_size", "intermediate_size", "alignment"):
+                if key in m:
+                    finite(m[key], str(path), key, integer=True, positive=True)
         try:
             self.layout = layout_from_manifest(m, str(path))
             self.n_layers = int(m["n_layers"])
@@ -373,6 +377,10 @@ class ExpertStore:
             raise StoreError(f"{path}: a non-numeric size or count ({exc})") from None
         if not isinstance(layers, list) or not all(isinstance(layer, dict) for layer in layers):
             raise StoreError(f"{path}: layers must be a list of mappings")
+        with reraise_as(StoreError):
+            for i, layer in enumerate(layers):
+                finite(require(layer, "bytes", int, f"{path} layer {i}"), f"{path} layer {i}", "bytes",
+                       integer=True, positive=True)
         if self.layout.record_bytes != record_bytes or len(layers) != self.n_layers:
             raise StoreError(f"{path}: record_bytes/layers inconsistent with the shapes it declares")
         self.files = [member(self.root, layer.get("file"), f"expert-store manifest {MANIFEST}") for layer in layers]
@@ -380,8 +388,9 @@ class ExpertStore:
         if any(len(r) != self.n_experts for r in self.record_sha):
             raise StoreError(f"{path}: every layer must list one sha256 per expert ({self.n_experts})")
         for f, layer in zip(self.files, layers):
-            if not f.is_file():
-                raise StoreError(f"{f}: missing (listed in {path})")
+            why = path_problem(f)  # before any open: a FIFO or device would block or never end
+            if why is not None:
+                raise StoreError(f"{f}: {'missing' if why == 'not found' else why} (listed in {path})")
             size = f.stat().st_size
             if size != int(layer["bytes"]) or size != self.layout.record_bytes * self.n_experts:
                 raise StoreError(f"{f}: {size} bytes, manifest says {layer['bytes']} (truncated or wrong file)")

@@ -136,7 +136,13 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 def _cmd_validate_simulator(args: argparse.Namespace) -> None:
     import torch
 
-    from specprefetch.contracts import ROUTING_FORMAT, load_tensor_tree
+    from specprefetch.contracts import (
+        ROUTING_FORMAT,
+        WINDOW_SHAPE_KEYS,
+        check_routing_values,
+        check_window_profile,
+        load_tensor_tree,
+    )
     from specprefetch.runtime.settings import device_settings
     from specprefetch.runtime.simrun import (
         check_routing_record,
@@ -151,6 +157,8 @@ def _cmd_validate_simulator(args: argparse.Namespace) -> None:
     profile = _window_profile(args.window, args.model)
     record = load_tensor_tree(args.routing, ROUTING_FORMAT, "routing record of bench-runtime")
     check_routing_record(record, args.routing, args.model)
+    check_window_profile(profile, str(Path(args.window) / "profile.json"), required=WINDOW_SHAPE_KEYS)
+    check_routing_values(record, str(args.routing), profile["n_layers"], profile["n_experts"], profile["top_k"])
     val = validate_simulator(record, profile, settings)
     summary = summarize_validation(val)
     for inputs, errs in summary.items():

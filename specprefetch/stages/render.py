@@ -23,7 +23,7 @@ from specprefetch.stages.common import add_config_arg, load_args_config
 
 log = logging.getLogger(__name__)
 
-INPUT_FLAGS = ("recall", "per_layer", "params", "runs", "window", "window_events", "latency")
+INPUT_FLAGS = ("recall", "per_layer", "params", "runs", "window", "window_events", "latency", "realism")
 
 
 def _add_input_flags(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
@@ -59,11 +59,18 @@ def _cmd_render_tables(args: argparse.Namespace) -> None:
 
     cfg = load_args_config(args)
     names = args.table or list(TABLES)
-    for name in names:
-        spec = TABLES[name]
-        doc = render_table(name, cfg, _inputs(args, spec.inputs), args.out_dir / f"{name}.tex",
-                           templates=args.templates)
-        print(f"{args.out_dir / name}.tex: {len(doc.cells)} cells")
+    written: list[Path] = []
+    try:
+        for name in names:
+            spec = TABLES[name]
+            doc = render_table(name, cfg, _inputs(args, spec.inputs), args.out_dir / f"{name}.tex",
+                               templates=args.templates)
+            written += [args.out_dir / f"{name}.tex", args.out_dir / f"{name}.json"]
+            print(f"{args.out_dir / name}.tex: {len(doc.cells)} cells")
+    except BaseException:  # all tables or none: a full disk at table 3 leaves no tables 1-2 of this run behind
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
 
 
 def _cmd_render_figures(args: argparse.Namespace) -> None:
@@ -144,7 +151,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("render-tables", help="Tables 1-5 as LaTeX (+ a JSON of every cell) from the result CSVs")
     add_config_arg(p)
     p.add_argument("--table", action="append", choices=TABLES, help="only this table (repeatable)")
-    _add_input_flags(p, ("recall", "params", "runs"))
+    _add_input_flags(p, ("recall", "params", "runs", "realism"))
     p.add_argument("--out-dir", required=True, type=Path, help="writes <table>.tex and <table>.json here")
     p.add_argument("--templates", type=Path, default=None, help="jinja2 template directory (workflow/templates)")
     p.set_defaults(func=_cmd_render_tables)

@@ -1,9 +1,10 @@
-"""CLI: ``extract-traces``, ``gather-traces``, ``verify-traces``, ``trace-stats``."""
+"""CLI: ``extract-traces``, ``gather-traces``, ``verify-traces``, ``trace-stats``, ``measure-realism``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from specprefetch.stages.common import add_config_arg, add_model_args, load_args_config
@@ -50,6 +51,9 @@ def _cmd_stats(args: argparse.Namespace) -> None:
     from specprefetch.traces.store import trace_stats
 
     print(json.dumps(trace_stats(args.dir), indent=2, sort_keys=True))
+    # stdout stays the JSON; the caveat goes to stderr so that a flipped byte is not read as "checked"
+    print(f"{args.dir}: file sizes match the manifest; contents not hashed (verify-traces checks every sha256)",
+          file=sys.stderr)
 
 
 def _cmd_estimate(args: argparse.Namespace) -> None:
@@ -65,6 +69,14 @@ def _cmd_estimate(args: argparse.Namespace) -> None:
     sets = trace_sets(cfg, args.results, samples)
     rows = estimate(cfg, args.results, samples, args.extract_tokens_per_s, args.read_gb_per_s * 1e9, sets=sets)
     print(render_estimate(cfg, rows, sets))
+
+
+def _cmd_realism(args: argparse.Namespace) -> None:
+    from specprefetch.traces.realism import measure_realism, write_realism
+
+    cfg = load_args_config(args)
+    df = write_realism(measure_realism(args.traces, models=list(cfg["models"])), args.out)
+    print(df.to_string(index=False))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -97,10 +109,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--read-gb-per-s", type=float, default=1.5, help="trace read bandwidth (default 1.5 GB/s)")
     p.set_defaults(func=_cmd_estimate)
 
+    p = sub.add_parser("measure-realism", help="how real the models' routing is, from their traces: FATE R@K, "
+                                                "adjacent router-input cosine, expert-load entropy, by token type")
+    add_config_arg(p)
+    p.add_argument("--out", required=True, type=Path, help="the realism CSV to write (atomically)")
+    p.add_argument("traces", nargs="+", type=Path, help="trace directories (the scatter shards of one set are joined)")
+    p.set_defaults(func=_cmd_realism)
+
     p = sub.add_parser("verify-traces", help="check every file of a trace against its manifest (sha256)")
     p.add_argument("dir", type=Path)
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser("trace-stats", help="tokens, bytes per token and per layer, image-token share")
+    p = sub.add_parser("trace-stats", help="tokens, bytes per token and per layer, image-token share (checks "
+                       "sizes only; verify-traces checks the sha256 of every file)")
     p.add_argument("dir", type=Path)
     p.set_defaults(func=_cmd_stats)

@@ -32,7 +32,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file as st_save_file
 
-from specprefetch.contracts import TRACE_FORMAT, load_safetensors, member, read_doc, require
+from specprefetch.contracts import (
+    TRACE_FORMAT,
+    check_finite_tensors,
+    finite,
+    load_safetensors,
+    member,
+    read_doc,
+    require,
+    reraise_as,
+)
 from specprefetch.io import SpecPrefetchError, atomic_path, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -323,10 +332,28 @@ class TraceReader:
             if j < len(m["shards"]):
                 require(entry, "n_tokens", int, where)
             self.path_of(entry)  # a plain file name inside the trace directory, or an error
+        self._check_values(path)
         if sum(s["n_tokens"] for s in m["shards"]) != m["n_tokens"]:
             raise TraceError(f"{path}: shard token counts do not add up to n_tokens={m['n_tokens']}")
         if len(m["moe_layers"]) != m["n_moe_layers"]:
             raise TraceError(f"{path}: moe_layers has {len(m['moe_layers'])} entries, n_moe_layers={m['n_moe_layers']}")
+
+    def _check_values(self, path: Path) -> None:
+        """Counts that a metric divides by are > 0 (an empty trace is not a verified one), K fits the experts,
+        layer indices and sizes are >= 0."""
+        m = self.manifest
+        with reraise_as(TraceError):
+            for key in ("n_moe_layers", "n_tokens", "n_samples", "n_experts", "top_k", "hidden_size"):
+                finite(m[key], str(path), key, integer=True, positive=True)
+            if m["top_k"] > m["n_experts"]:
+                raise TraceError(f"{path}: top_k={m['top_k']} > n_experts={m['n_experts']}")
+            if not m["shards"]:
+                raise TraceError(f"{path}: lists no shards (an empty trace: extraction wrote no token)")
+            for j, entry in enumerate(m["shards"]):
+                finite(entry["n_tokens"], f"{path} shards[{j}]", "n_tokens", integer=True, positive=True)
+                finite(entry["bytes"], f"{path} shards[{j}]", "bytes", integer=True, positive=True)
+            for j, layer in enumerate(m["moe_layers"]):
+                finite(layer, f"{path} moe_layers[{j}]", "layer", integer=True, lo=0)
 
     def path_of(self, entry: Mapping[str, Any]) -> Path:
         """The file a manifest entry names, confined to the trace directory (no ``..``, no absolute path)."""
@@ -403,6 +430,13 @@ class TraceReader:
             if tuple(t[k].shape) != shape or t[k].dtype != dtype:
                 raise TraceError(f"{path}: {k} is {tuple(t[k].shape)} {dtype_name(t[k].dtype)}, "
                                  f"manifest implies {shape} {dtype_name(dtype)}")
+        for i in range(self.n_layers):  # ids must index an expert; inputs and logits must be numbers
+            tk = t[f"topk.{i}"]
+            if tk.numel() and (int(tk.min()) < 0 or int(tk.max()) >= self.n_experts):
+                bad = int(tk.min()) if int(tk.min()) < 0 else int(tk.max())
+                raise TraceError(f"{path}: topk.{i} holds expert id {bad}, outside [0, {self.n_experts})")
+        with reraise_as(TraceError):
+            check_finite_tensors({k: t[k] for k in expect if k.startswith(("x.", "logits."))}, str(path))
 
     def read_shard(self, j: int) -> dict[str, torch.Tensor]:
         """Shard ``j``'s tensors (keys as in the file), after checking size, sha256, shapes and dtypes."""
