@@ -29,7 +29,6 @@ from specprefetch.render.cells import (
     fmt_params,
     latex_escape,
     pm_ci,
-    seed_fields,
     tex_cell,
     throughput_decimals,
 )
@@ -164,57 +163,30 @@ def recall_frame(recall: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any],
         if absent:
             raise RenderInputError(f"{path}: no rows with {col}={absent[0]!r} (column {col!r}; "
                                    f"the config lists it)")
-    dup = df.duplicated(["model", "workload", "method", "seed", "M"], keep=False)
+    dup = df.duplicated(["model", "workload", "method", "M"], keep=False)
     if dup.any():
         r = df[dup].iloc[0]
         raise RenderInputError(f"{path}: duplicate rows for model={r['model']!r}, workload={r['workload']!r}, "
-                               f"method={r['method']!r}, seed={r['seed']}, M={r['M']} (column 'M')")
+                               f"method={r['method']!r}, M={r['M']} (column 'M')")
     out = df.copy()
     out["pct"] = out["expert_recall"] * 100.0
     return out
 
 
-RecallKey = tuple[str, str, str, int]  # (model, workload, method, M)
+def _lookup(df: pd.DataFrame) -> dict[tuple[str, str, str, int], float]:
+    return {(r.model, r.workload, r.method, int(r.M)): float(r.pct) for r in df.itertuples()}
 
 
-def _lookup(df: pd.DataFrame) -> dict[RecallKey, dict[int, float]]:
-    """Per (model, workload, method, M) the recall (%) of each seed index."""
-    out: dict[RecallKey, dict[int, float]] = {}
-    for r in df.itertuples():
-        out.setdefault((r.model, r.workload, r.method, int(r.M)), {})[int(r.seed)] = float(r.pct)
-    return out
-
-
-def _recall_cell(table: str, cfg: Mapping[str, Any], values: Mapping[RecallKey, dict[int, float]],
+def _recall_cell(table: str, cfg: Mapping[str, Any], values: Mapping[tuple[str, str, str, int], float],
                  model: str, workload: str, method: str, b: Budget) -> Cell:
-    """One recall cell: the mean over the method's seeds, with its 95 % t-interval and the per-seed values when it
-    has two or more (printed ``mean ± half-width``); a single seed prints its value as before."""
     mdisp, wdisp, label = model_display(cfg, model), cfg["workloads"][workload]["display_name"], METHOD_LABELS[method]
-    per_seed = values.get((model, workload, method, b.M))
-    if per_seed is None:
+    v = values.get((model, workload, method, b.M))
+    if v is None:
         log.debug("%s: no ExpertRecall for %s / %s / %s at M=%d: printed as a dash", table, model, workload,
                   method, b.M)
-    stats = seed_fields(per_seed) if per_seed else {"value": None}
-    v = stats["value"]
-    text = (pm_ci(v, stats["lo"], stats["hi"], RECALL_DECIMALS, math_mode=False) if "lo" in stats
-            else fmt_fixed(v, RECALL_DECIMALS))
-    return Cell(id=f"{mdisp}/{wdisp}/{label}/R@{b.M}", quantity="recall",
+    return Cell(id=f"{mdisp}/{wdisp}/{label}/R@{b.M}", quantity="recall", value=v,
                 keys={"model": mdisp, "workload": wdisp, "method": label, "budget": b.role, "M": b.M},
-                text=text, **stats)
-
-
-def _recall_tex(c: Cell) -> str:
-    """A recall cell in LaTeX: ``$mean\\pm h$`` with a seed interval, else its plain text."""
-    return pm_ci(c.value, c.lo, c.hi, RECALL_DECIMALS) if c.has_ci else tex_cell(c.text)
-
-
-def seeds_note(cfg: Mapping[str, Any], cells: list[Cell]) -> str:
-    """What the ± of a recall table means, or nothing when every cell is a single run."""
-    n = max((c.n or 1 for c in cells), default=1)
-    if n < 2:
-        return ""
-    return (f"Learned predictors: mean $\\pm$ 95\\,\\% t-interval half-width over {n} training seeds; "
-            "training-free methods are deterministic (one value).")
+                text=fmt_fixed(v, RECALL_DECIMALS))
 
 
 def _workload_groups(cfg: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
@@ -254,7 +226,7 @@ def build_table1(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
             grid = [[_recall_cell("table1_recall", cfg, values, m, w, meth, b) for m in models for b in budgets[m]]
                     for meth in methods]
             cells += [c for row in grid for c in row]
-            texts = [[_recall_tex(c) for c in row] for row in grid]
+            texts = [[tex_cell(c.text) for c in row] for row in grid]
             for j in range(len(grid[0])):  # bold the best method per (benchmark, model, budget)
                 for i, on in enumerate(best_mask([row[j].value for row in grid], RECALL_DECIMALS)):
                     texts[i][j] = bold(texts[i][j], on)
@@ -274,7 +246,7 @@ def build_table1(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
                "LLM and VLM workloads. The evaluated candidate counts represent limited, native, and expanded "
                "prediction settings for each model. " + latex_escape(profile_sentence(cfg)))
     context = {"caption": caption, "label": "tab:recall", "models": model_ctx, "n_cols": col - 1,
-               "groups": groups, "note": " ".join(x for x in (budget_note(cfg, models), seeds_note(cfg, cells)) if x)}
+               "groups": groups, "note": budget_note(cfg, models)}
     _warn_dashes("table1_recall", cells)
     doc = TableDoc("table1_recall", "Table 1: next-layer expert coverage", cfg["profile"], cells,
                    meta={"models": {model_display(cfg, m): m for m in models},
@@ -302,7 +274,7 @@ def build_table2(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
             grid = {meth: [_recall_cell("table2_ablation", cfg, values, m, w, meth, b) for b in bs]
                     for meth in methods}
             cells += [c for meth in methods for c in grid[meth]]
-            texts = {meth: [_recall_tex(c) for c in grid[meth]] for meth in methods}
+            texts = {meth: [tex_cell(c.text) for c in grid[meth]] for meth in methods}
             for j in range(len(bs)):  # bold the better design per (benchmark, budget)
                 mask = best_mask([grid[meth][j].value for meth in methods], RECALL_DECIMALS)
                 for meth, on in zip(methods, mask, strict=True):
@@ -315,8 +287,8 @@ def build_table2(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
     caption = ("Predictor design ablation (ExpertRecall@$M$, \\%) across all workloads and candidate budgets: "
                "one shared Single MLP vs SpecPrefetch's layer-specific adapters. "
                + latex_escape(profile_sentence(cfg)))
-    note = " ".join(x for x in (budget_note(cfg, list(cfg["models"])), seeds_note(cfg, cells)) if x)
-    context = {"caption": caption, "label": "tab:ablation", "panels": panels, "note": note}
+    context = {"caption": caption, "label": "tab:ablation", "panels": panels,
+               "note": budget_note(cfg, list(cfg["models"]))}
     _warn_dashes("table2_ablation", cells)
     doc = TableDoc("table2_ablation", "Table 2: predictor design ablation", cfg["profile"], cells,
                    meta={"models": {model_display(cfg, m): m for m in cfg["models"]}})
@@ -354,49 +326,11 @@ def build_table3(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
             cells.append(c)
             row.append(tex_cell(c.text))
         rows.append({"label": latex_escape(mdisp), "cells": row})
-    ratios = param_ratios(cfg, lookup, methods)
     caption = "Trainable parameters of different expert predictors. " + latex_escape(profile_sentence(cfg))
-    if ratios:
-        caption += " " + latex_escape(ratio_sentence(ratios))
     context = {"caption": caption, "label": "tab:params", "rows": rows,
                "methods": [latex_escape(METHOD_LABELS[m]) for m in methods]}
-    doc = TableDoc("table3_params", "Table 3: trainable parameters", cfg["profile"], cells,
-                   meta={"ratios": ratios} if ratios else {})
+    doc = TableDoc("table3_params", "Table 3: trainable parameters", cfg["profile"], cells)
     return Built("table3_params.tex.j2", context, doc)
-
-
-def param_ratios(cfg: Mapping[str, Any], lookup: Mapping[tuple[str, str], int],
-                 methods: list[str]) -> dict[str, dict[str, dict[str, float]]]:
-    """Per model (display name) and baseline (label): its parameters over SpecPrefetch's, the paper's Table 3 ratio
-    for that model and the residual (achieved / paper - 1, in %): how well the size rule
-    (``predictors.<method>.size``, :mod:`specprefetch.predictors.sizing`) met the paper's relative sizes. Models
-    and methods the paper's table lacks are left out."""
-    from specprefetch.predictors.sizing import SizeRuleError, paper_ratio
-
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for m in cfg["models"]:
-        anchor = lookup.get((m, "specprefetch"))
-        for meth in methods:
-            v = lookup.get((m, meth))
-            if meth == "specprefetch" or not anchor or v is None:
-                continue
-            try:
-                target = paper_ratio(model_display(cfg, m), meth)
-            except (SizeRuleError, KeyError):
-                continue
-            achieved = v / anchor
-            out.setdefault(model_display(cfg, m), {})[METHOD_LABELS[meth]] = {
-                "achieved": round(achieved, 4), "paper": round(target, 4),
-                "residual_pct": round(100.0 * (achieved / target - 1.0), 2)}
-    return out
-
-
-def ratio_sentence(ratios: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
-    """The caption's line on the relative sizes: reproduced vs paper ratio to SpecPrefetch, per model."""
-    parts = ["; ".join(f"{meth} {r['achieved']:.2f}× vs {r['paper']:.2f}× ({r['residual_pct']:+.1f} %)"
-                       for meth, r in by.items()) for by in ratios.values()]
-    return "Parameters relative to SpecPrefetch, reproduced vs paper (residual): " + "; ".join(
-        f"{model}: {p}" for model, p in zip(ratios, parts, strict=True)) + "."
 
 
 # --------------------------------------------------------------------------------------------- Tables 4, 5
@@ -591,120 +525,6 @@ def build_table5(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
     return Built("table5_matched.tex.j2", context, doc)
 
 
-# --------------------------------------------------------------------------------------------- Table 0 (realism)
-
-REALISM_TARGET_PP = 5.0  # issue 27: a stand-in routes like the real model when FATE R@K is within 5 pp of the paper's
-REALISM_DECIMALS = {"recall": 2, "cosine": 3, "entropy": 3}
-# (column key, token type, measured quantity), in the table's order after the stand-in / paper / delta columns
-REALISM_SPLIT = (("recall_text", "text", "recall"), ("recall_image", "image", "recall"),
-                 ("cosine_all", "all", "cosine"), ("cosine_text", "text", "cosine"),
-                 ("cosine_image", "image", "cosine"), ("entropy_all", "all", "entropy"),
-                 ("entropy_text", "text", "entropy"), ("entropy_image", "image", "entropy"))
-_REALISM_FIELD = {"recall": "fate_recall", "cosine": "input_cosine", "entropy": "load_entropy"}
-
-
-def _paper_fate(reported_path: Path | None) -> dict[tuple[str, str], float]:
-    """The paper's FATE R@K (Table 1, budget K) by (model display name, workload display name)."""
-    from specprefetch.render.reported import load_reported
-
-    doc = load_reported(reported_path).tables.get("table1_recall")
-    if doc is None:
-        raise RenderInputError(f"{reported_path or 'the reported-numbers file'}: no table1_recall (the paper's FATE "
-                               "R@K the realism table compares with)")
-    return {(c.keys["model"], c.keys["workload"]): c.value for c in doc.cells
-            if c.keys.get("method") == METHOD_LABELS["fate"] and c.keys.get("budget") == "K" and c.value is not None}
-
-
-def _realism_rows(path: Path, cfg: Mapping[str, Any]) -> dict[tuple[str, str, str], Any]:
-    """realism.csv by (model, workload, tokens): every configured (model, workload) with an ``all`` row at M = K."""
-    df = read_result_csv(path, "realism")
-    models, workloads = list(cfg["models"]), list(cfg["workloads"])
-    stale = df[~df["model"].isin(models) | ~df["workload"].isin(workloads)]
-    if not stale.empty:
-        log.warning("%s: ignoring %d rows of models/workloads not in the config", path, len(stale))
-    dup = df.duplicated(["model", "workload", "tokens"], keep=False)
-    if dup.any():
-        r = df[dup].iloc[0]
-        raise RenderInputError(f"{path}: duplicate rows for model={r['model']!r}, workload={r['workload']!r}, "
-                               f"tokens={r['tokens']!r} (column 'tokens')")
-    rows = {(r.model, r.workload, r.tokens): r for r in df.itertuples()}
-    for m in models:
-        for w in workloads:
-            r = rows.get((m, w, "all"))
-            if r is None:
-                raise RenderInputError(f"{path}: no row with model={m!r}, workload={w!r}, tokens='all' (the config "
-                                       "lists both)")
-            if int(r.M) != int(cfg["models"][m]["top_k"]):
-                raise RenderInputError(f"{path}: column 'M' is {r.M} for {m}/{w}, but the config's top_k is "
-                                       f"{cfg['models'][m]['top_k']} (a stale file?)")
-    return rows
-
-
-def _realism_value(rows: Mapping[tuple[str, str, str], Any], key: tuple[str, str, str], quantity: str) -> float | None:
-    r = rows.get(key)
-    if r is None:
-        return None
-    v = float(getattr(r, _REALISM_FIELD[quantity]))
-    return v * 100.0 if quantity == "recall" else v
-
-
-def _realism_cell(keys: Mapping[str, str], col: str, quantity: str, tokens: str, value: float | None,
-                  sign: bool = False) -> Cell:
-    return Cell(id=f"{keys['model']}/{keys['workload']}/{col}", quantity=quantity, value=value,
-                keys={**keys, "column": col, "tokens": tokens},
-                text=fmt_fixed(value, REALISM_DECIMALS[quantity], sign=sign))
-
-
-def build_table0(inputs: Mapping[str, Path], cfg: Mapping[str, Any], reported: Path | None = None) -> Built:
-    """Stand-in realism: per model and workload, FATE R@K against the paper's, and the routing properties behind
-    it (adjacent router-input cosine, normalised expert-load entropy), all tokens and by token type."""
-    path = inputs["realism"]
-    rows_of = _realism_rows(path, cfg)
-    paper = _paper_fate(reported)
-    models = list(cfg["models"])
-    cells: list[Cell] = []
-    blocks = []
-    n_within = n_compared = 0
-    for m in models:
-        mdisp = model_display(cfg, m)
-        rows = []
-        for w in cfg["workloads"]:
-            wdisp = cfg["workloads"][w]["display_name"]
-            keys = {"model": mdisp, "workload": wdisp}
-            ours, ref = _realism_value(rows_of, (m, w, "all"), "recall"), paper.get((mdisp, wdisp))
-            delta = None if ours is None or ref is None else ours - ref
-            row = [_realism_cell(keys, "recall", "recall", "all", ours),
-                   _realism_cell(keys, "paper", "recall", "all", ref),
-                   _realism_cell(keys, "delta", "recall", "all", delta, sign=True)]
-            row += [_realism_cell(keys, col, q, tok, _realism_value(rows_of, (m, w, tok), q))
-                    for col, tok, q in REALISM_SPLIT]
-            cells += row
-            texts = [tex_cell(c.text) for c in row]
-            if delta is not None:
-                within = abs(delta) <= REALISM_TARGET_PP
-                n_compared += 1
-                n_within += within
-                texts[2] = bold(texts[2], within)
-            rows.append({"label": latex_escape(wdisp), "cells": texts})
-        blocks.append({"model": latex_escape(mdisp), "rows": rows})
-    k_text = " and ".join(f"$K={cfg['models'][m]['top_k']}$ for {latex_escape(model_display(cfg, m))}"
-                          for m in models)
-    caption = (r"Stand-in realism: how predictable the models' routing is from one MoE layer to the next. FATE "
-               r"ExpertRecall@$K$ (\%) of the models here vs the paper's (Table 1), by token type, with the routing "
-               r"properties behind it: the cosine similarity of adjacent MoE layers' router inputs and the expert-load "
-               r"entropy (normalised by $\log n$, averaged over layers). " + latex_escape(profile_sentence(cfg)))
-    note = (f"{k_text}. " + r"$\Delta$: here $-$ paper; bold: within "
-            + f"{REALISM_TARGET_PP:g} pp ({n_within} of {n_compared} cells). "
-            + r"Image tokens: the workloads' image placeholders (the traces' \texttt{is\_image} flag); text: every "
-            r"other token. --: no such tokens, or no paper value.")
-    context = {"caption": caption, "label": "tab:realism", "blocks": blocks, "note": note}
-    doc = TableDoc("table0_realism", "Table 0: stand-in realism (routing predictability)", cfg["profile"], cells,
-                   meta={"models": {model_display(cfg, m): m for m in models},
-                         "M": {model_display(cfg, m): int(cfg["models"][m]["top_k"]) for m in models},
-                         "target_pp": REALISM_TARGET_PP, "within_target": n_within, "compared": n_compared})
-    return Built("table0_realism.tex.j2", context, doc)
-
-
 # --------------------------------------------------------------------------------------------- registry
 
 
@@ -715,11 +535,9 @@ class TableSpec:
     name: str
     inputs: tuple[str, ...]
     build: Callable[[Mapping[str, Path], Mapping[str, Any]], Built]
-    compared: bool = True  # has a reproduced-vs-reported companion (table0_realism is itself a comparison)
 
 
 TABLES: dict[str, TableSpec] = {
-    "table0_realism": TableSpec("table0_realism", ("realism",), build_table0, compared=False),
     "table1_recall": TableSpec("table1_recall", ("recall",), build_table1),
     "table2_ablation": TableSpec("table2_ablation", ("recall",), build_table2),
     "table3_params": TableSpec("table3_params", ("params",), build_table3),
