@@ -70,6 +70,7 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/traces.smk"
 include: "workflow/rules/predictors.smk"
+include: "workflow/rules/realism.smk"
 include: "workflow/rules/device.smk"
 include: "workflow/rules/render.smk"
 

@@ -283,6 +283,11 @@ class Pipeline:
     def recall_csv(self, model: str = "{model}", workload: str = "{workload}", shard: int | str = "{shard}") -> str:
         return f"results/recall/{model}/{workload}/{shard}.csv"
 
+    def realism_inputs(self) -> list[str]:
+        """What measure_realism reads: every evaluation workload's trace shards, of every model (the shards of a set
+        are measured together, so no gather job is needed)."""
+        return [d for m in self.models for w in self.workloads for d in self.trace_shard_dirs(m, w)]
+
     def is_learned(self, method: str) -> bool:
         """Trained (the registry's flag, plugins included), not fitted from statistics or built from the gates."""
         return registry.method(method).learned
@@ -395,6 +400,7 @@ class Pipeline:
         "gather_traces": {"cpu": {"mem_mb": 2000, "runtime": 30}, "paper": {"mem_mb": 2000, "runtime": 30}},
         "gather_recall": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
         "gather_params": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
+        "measure_realism": {"cpu": {"mem_mb": 2000, "runtime": 10}, "paper": {"mem_mb": 16000, "runtime": 240}},
         "collect_device_benchmarks": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
         "archive_results": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
         "render_table": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},

@@ -150,12 +150,24 @@ def _latency_rows(model: str = "tiny-deepseek-vl2") -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _realism_rows(cfg: dict) -> pd.DataFrame:
+    """table0_realism's input: every model and workload, image rows for the VLM workloads."""
+    rows = []
+    for i, (m, mc) in enumerate(cfg["models"].items()):
+        for j, (w, wc) in enumerate(cfg["workloads"].items()):
+            kinds = ("all", "text", "image") if wc["category"] == "VLM" else ("all", "text")
+            rows += [{"model": m, "workload": w, "tokens": t, "M": mc["top_k"], "n_tokens": 100 + k,
+                      "fate_recall": 0.6 + 0.05 * i + 0.02 * j + 0.01 * k, "input_cosine": 0.9 - 0.01 * k,
+                      "load_entropy": 0.95 - 0.1 * k} for k, t in enumerate(kinds)]
+    return pd.DataFrame(rows)
+
+
 def write_fixture_results(root: Path, cfg: dict) -> dict[str, Path]:
     """Write every result CSV the renderer reads under ``root`` (the pipeline's layout); returns contract -> path."""
     recall, per_layer = _recall_rows(cfg)
     window, events = _window_rows()
     frames = {"recall": recall, "per_layer": per_layer, "params": _params_rows(cfg), "runs": _runs_rows(),
-              "window": window, "window_events": events, "latency": _latency_rows()}
+              "window": window, "window_events": events, "latency": _latency_rows(), "realism": _realism_rows(cfg)}
     from specprefetch.render.data import DEFAULT_PATHS
 
     paths = {}
@@ -620,7 +632,8 @@ def test_registries_agree_with_the_rule_targets() -> None:
     assert {k: v.inputs for k, v in FIGURES.items()} == targets.FIGURE_INPUTS
     outs = targets.all_outputs({"render": {"out_dir": "x"}}, with_pdf=True)
     assert "x/paper_tables.pdf" in outs and "x/table5_matched_vs_paper.tex" in outs
-    assert "x/results/runs.csv" in outs and len(outs) == 10 + 18 + 8 + 2 + len(targets.RESULT_PATHS)
+    assert "x/results/runs.csv" in outs and len(outs) == 12 + 18 + 8 + 2 + len(targets.RESULT_PATHS)
+    assert "x/table0_realism.tex" in outs and "x/table0_realism_vs_paper.tex" not in outs  # itself a comparison
     smk = (ROOT / "workflow" / "rules" / "render.smk").read_text()
     for rule in ("render_table", "render_figure", "compare_with_paper", "write_preview", "compile_preview"):
         assert f"rule {rule}:" in smk

@@ -18,7 +18,7 @@ from specprefetch.contracts import TABLE_FORMAT, read_doc, require
 from specprefetch.io import SpecPrefetchError, write_json_atomic
 
 QUANTITIES = ("recall", "params", "throughput", "gain", "ready_recall", "latency_ms", "window_ms", "demand_ms",
-              "exceed_pct", "share_pct", "m_max")
+              "exceed_pct", "share_pct", "m_max", "cosine", "entropy")  # cosine, entropy: table0_realism
 
 
 @dataclass(frozen=True)

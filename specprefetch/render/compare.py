@@ -240,7 +240,7 @@ def compare_with_paper(cfg: Mapping[str, Any], table_jsons: Sequence[Path | str]
     per_table: dict[str, list[SideBySide]] = {}
     titles = {}
     for name in TABLES:
-        if name not in docs:
+        if name not in docs or not TABLES[name].compared:
             continue
         rep_doc = reported.tables.get(name)
         blocks = side_by_side(name, docs[name], rep_doc)

@@ -60,7 +60,8 @@ def write_preview_tex(cfg: Mapping[str, Any], out_dir: Path | str, tables: Seque
     figures = list(figures if figures is not None else FIGURES)
     need = [out_dir / f"{t}.tex" for t in tables] + [out_dir / "figures" / f"{f}.pdf" for f in figures]
     if with_comparison:
-        need += [out_dir / f"{t}_vs_paper.tex" for t in tables] + [out_dir / "figures_vs_paper.tex"]
+        need += [out_dir / f"{t}_vs_paper.tex" for t in tables if TABLES[t].compared]
+        need += [out_dir / "figures_vs_paper.tex"]
     absent = [str(p) for p in need if not p.is_file()]
     if absent:
         raise SpecPrefetchError(f"preview: missing rendered file(s) {', '.join(absent[:4])}"
@@ -83,8 +84,8 @@ def write_preview_tex(cfg: Mapping[str, Any], out_dir: Path | str, tables: Seque
         "preamble": PREAMBLE,
         "title": f"SpecPrefetch reproduction: tables and figures ({latex_escape(cfg['profile'])} profile)",
         "profile": latex_escape(profile_sentence(cfg)),
-        "tables": [{"name": t, "path": f"{t}.tex", "vs": f"{t}_vs_paper.tex" if with_comparison else None}
-                   for t in tables],
+        "tables": [{"name": t, "path": f"{t}.tex",
+                    "vs": f"{t}_vs_paper.tex" if with_comparison and TABLES[t].compared else None} for t in tables],
         "figures": fig_ctx,
         "figures_vs": "figures_vs_paper.tex" if with_comparison else None,
     }

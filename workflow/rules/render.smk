@@ -109,7 +109,7 @@ rule compare_with_paper:
         reported=str(P.workdir / RT.REPORTED),
         claims=str(P.workdir / RT.CLAIMS),
     output:
-        vs=[RT.vs_paper_file(P.cfg, t) for t in RT.TABLE_NAMES],
+        vs=[RT.vs_paper_file(P.cfg, t) for t in RT.COMPARED_TABLES],
         figures_vs=RT.comparison_file(P.cfg, "figures_vs_paper.tex"),
         md=report(
             RT.comparison_file(P.cfg, "comparison.md"),
