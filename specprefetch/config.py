@@ -319,7 +319,7 @@ def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
                 raise ConfigError(f"invalid config key 'predictors.{method}.{key}': unknown model(s) "
                                   f"{', '.join(unknown)} (models: {', '.join(cfg['models'])})")
     dm = cfg["predictors"].get("draft_model")
-    for name in cfg["models"] if dm else ():
+    for name in cfg["models"] if dm and "size" not in dm else ():  # a size rule solves d_model in heads' multiples
         d_model = (dm.get("d_model_per_model") or {}).get(name, dm["d_model"])
         heads = (dm.get("num_heads_per_model") or {}).get(name, dm["num_heads"])
         if d_model % heads:

@@ -265,16 +265,19 @@ class Column:
     lo_open: bool = False
     nullable: bool = False
 
+    default: str | None = None  # a column older files lack: read as this value (recall's seed: "0")
 
 
 CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
     "recall": (
-        Column("model"), Column("workload"), Column("method", allowed=METHODS), Column("M", "int", lo=1),
+        Column("model"), Column("workload"), Column("method", allowed=METHODS),
+        Column("seed", "int", lo=0, default="0"), Column("M", "int", lo=1),
         Column("expert_recall", "float", lo=0.0, hi=1.0), Column("n_tokens", "int", lo=0, lo_open=True),
     ),
     "per_layer": (
-        Column("model"), Column("workload"), Column("method", allowed=METHODS), Column("M", "int", lo=1),
-        Column("layer", "int", lo=0), Column("expert_recall", "float", lo=0.0, hi=1.0),
+        Column("model"), Column("workload"), Column("method", allowed=METHODS),
+        Column("seed", "int", lo=0, default="0"), Column("M", "int", lo=1), Column("layer", "int", lo=0),
+        Column("expert_recall", "float", lo=0.0, hi=1.0),
     ),
     "params": (Column("model"), Column("method", allowed=METHODS), Column("trainable_params", "int", lo=0)),
     "runs": (
@@ -396,6 +399,9 @@ def check_csv(path: str | os.PathLike, contract: str) -> pd.DataFrame:
     df = df.reset_index(drop=True)
     for col in cols:
         df[col.name] = _coerce(df, col, path)
+    for col in cols:
+        if col.default is not None and col.name not in df.columns:
+            df[col.name] = col.default
     return df
 
 

@@ -27,6 +27,7 @@ from specprefetch import registry
 from specprefetch.config import device_settings, trains_online, validate_config
 from specprefetch.contracts import read_doc
 from specprefetch.io import config_hash, write_text_atomic
+from specprefetch.predictors.sizing import check_size_rules, seed_count, seed_indices
 from specprefetch.render.targets import ARCHIVE_SUBDIR, RESULT_PATHS, out_dir
 
 CORPUS = "corpus"
@@ -79,6 +80,8 @@ class Pipeline:
         for path in config_files:  # duplicate keys, encodings: what Snakemake's own loader lets through
             read_doc(path, None, "config file", kind="yaml")
         validate_config(config, self.workdir)
+        seed_count(config)  # predictors.seeds and the size rules: one line naming the key, before any job
+        check_size_rules(config)
         self.cfg = copy.deepcopy(config)
         self.config_path = self._write_resolved_config()
         self.python = python
@@ -229,9 +232,12 @@ class Pipeline:
         d = self.model_dir(model)
         return shell_args("--model-dir", d) if d else ""
 
-    def predictor_args(self, model: str, methods: Iterable[str]) -> str:
-        """``--predictor METHOD=DIR ...`` for the CLI (quoted shell words)."""
-        return shell_args(*[w for m in methods for w in ("--predictor", f"{m}={self.predictor_dir(model, m)}")])
+    def predictor_args(self, model: str, methods: Iterable[str], every_seed: bool = False) -> str:
+        """``--predictor METHOD=DIR ...`` for the CLI (quoted shell words): seed 0 of each method, or with
+        ``every_seed`` each of its seeds (evaluate_recall)."""
+        pairs = (self.seeded_predictor_dirs(model, methods) if every_seed
+                 else [(m, self.predictor_dir(model, m)) for m in methods])
+        return shell_args(*[w for m, d in pairs for w in ("--predictor", f"{m}={d}")])
 
     @staticmethod
     def traces_arg(traces: str | list[str] | None) -> str:
@@ -277,8 +283,44 @@ class Pipeline:
     def trace_shard_dirs(self, model: str, workload: str) -> list[str]:
         return [self.trace_shard_dir(model, workload, i) for i in range(self.scatter)]
 
-    def predictor_dir(self, model: str = "{model}", method: str = "{method}") -> str:
-        return f"results/predictors/{model}/{method}"
+    # Seeds (predictors.seeds): seed index 0 of a method lives in results/predictors/<model>/<method> (what the
+    # runtime, Table 3 and a single-seed profile use), seed k >= 1 of a learned method beside it in
+    # <method>.seed<k>; the rule's {seed_tag} wildcard is "" or ".seed<k>".
+    SEED_TAG = r"(\.seed[1-9][0-9]*)?"
+
+    @property
+    def seeds(self) -> int:
+        """How many seeds each learned predictor is trained with (predictors.seeds, absent: 1)."""
+        return seed_count(self.cfg)
+
+    def method_seeds(self, method: str) -> list[int]:
+        """The seed indices ``method`` is trained with: every seed when learned, 0 when training-free."""
+        return seed_indices(self.cfg, self.is_learned(method))
+
+    @staticmethod
+    def seed_tag(seed: int) -> str:
+        return "" if int(seed) == 0 else f".seed{int(seed)}"
+
+    @staticmethod
+    def seed_index(tag: str) -> int:
+        """The seed index of a ``{seed_tag}`` wildcard value ("" is 0, ".seed3" is 3)."""
+        return int(tag.removeprefix(".seed")) if tag else 0
+
+    def predictor_dir(self, model: str = "{model}", method: str = "{method}", seed: int | str = 0) -> str:
+        """A saved predictor; ``seed`` an index, or a wildcard pattern such as ``"{seed_tag}"``."""
+        tag = seed if isinstance(seed, str) else self.seed_tag(seed)
+        return f"results/predictors/{model}/{method}{tag}"
+
+    def seeded_predictor_dirs(self, model: str, methods: Iterable[str]) -> list[tuple[str, str]]:
+        """(method, dir) of every seed of each method, in method order."""
+        return [(m, self.predictor_dir(model, m, k)) for m in methods for k in self.method_seeds(m)]
+
+    def train_hash(self, model: str) -> str:
+        """What one trained predictor depends on: the predictors section without the seed count (adding a seed
+        trains the new seed only) and the model."""
+        frag = {"predictors": {k: v for k, v in self.cfg["predictors"].items() if k != "seeds"},
+                "model": self.cfg["models"][model]}
+        return config_hash(frag)
 
     def recall_csv(self, model: str = "{model}", workload: str = "{workload}", shard: int | str = "{shard}") -> str:
         return f"results/recall/{model}/{workload}/{shard}.csv"

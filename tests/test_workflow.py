@@ -28,7 +28,8 @@ def job_counts(output: str) -> dict[str, int]:
 
 
 # Per profile: 5 workloads, 2 models x (corpus + 5 workloads) trace sets of traces.scatter shards each, gathered
-# where the whole set is read (the corpus for training, the simulator's workloads), 2 x 8 predictors, recall per
+# where the whole set is read (the corpus for training, the simulator's workloads), 2 x 8 predictors (the 4 learned
+# ones once per seed: seeds(n) jobs per model), recall per
 # shard, runtime benchmarks per device model, 5 tables, 6 figures; the PDF only where pdflatex is installed.
 COMMON = {"prepare_workload": 5, "prepare_corpus": 1, "check_disjoint": 1,
           "train_predictor": 16, "gather_recall": 1, "gather_params": 1,
@@ -42,12 +43,17 @@ def traces(scatter: int, gathered: int, corpus: bool = True) -> dict[str, int]:
             "gather_traces": gathered}
 
 
+def seeds(n: int) -> dict[str, int]:
+    """train_predictor jobs with predictors.seeds = n: 2 models x (4 learned methods x n seeds + 4 training-free)."""
+    return {"train_predictor": 2 * (4 * n + 4)}
+
+
 DEVICE_RULES = ("build_expert_store", "profile_window", "bench_runtime", "simulate_device", "validate_simulator",
                 "evaluate_offloaded")
 STAND_INS = {"train_tokenizer": 1, "pretrain_stand_in": 2, **{r: 2 for r in DEVICE_RULES}}
 EXPECTED = {
-    "config/config.yaml": {**COMMON, **STAND_INS, **traces(1, 2 + 2 * 2)},  # simulator: gsm8k, chartqa
-    "config/smoke.yaml": {**COMMON, **STAND_INS, **traces(2, 2 + 2 * 1)},
+    "config/config.yaml": {**COMMON, **STAND_INS, **traces(1, 2 + 2 * 2), **seeds(3)},  # simulator: gsm8k, chartqa
+    "config/smoke.yaml": {**COMMON, **STAND_INS, **traces(2, 2 + 2 * 1), **seeds(2)},
     # hub checkpoints: no tokenizer, no stand-in pretraining; predictors train online (no corpus traces);
     # the runtime benchmarks DeepSeek-VL2-Tiny only (4-bit experts, as the paper)
     "config/paper.yaml": {**COMMON, **traces(8, 1, corpus=False), **{r: 1 for r in DEVICE_RULES}},

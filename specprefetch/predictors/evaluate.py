@@ -3,12 +3,15 @@
 ``evaluate_recall`` runs every predictor over one workload trace and writes ``recall.csv``-format rows (and the
 per-layer file); ``gather_recall`` joins the CSVs of every (model, workload) and scatter shard, token-weighted;
 ``gather_params`` is Table 3's data. The metric itself is :mod:`specprefetch.metrics`.
+
+Seeds: a learned method may be given once per seed index (``predictors.seeds``; each predictor's meta.json says
+which); the trace is read once for all of them and every row carries its ``seed`` (training-free methods: 0).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -73,25 +76,46 @@ def _open_eval_trace(trace_dir: Path, model_name: str, workload: str) -> Any:
     return reader
 
 
-def _load_predictors(predictor_dirs: Mapping[str, Path], model_name: str, reader: Any,
-                     device: torch.device) -> tuple[dict[str, Predictor], dict[str, Any]]:
+PredictorKey = tuple[str, int]  # (method, seed index)
+
+
+def predictor_pairs(predictor_dirs: Mapping[str, Path] | Sequence[tuple[str, Path]]) -> list[tuple[str, Path]]:
+    """``{method: dir}`` or ``[(method, dir), ...]`` (a method once per seed) as a list of pairs."""
+    return list(predictor_dirs.items()) if isinstance(predictor_dirs, Mapping) else list(predictor_dirs)
+
+
+def seed_of(meta: Mapping[str, Any], where: Path) -> int:
+    """A saved predictor's seed index (meta.json ``seed_index``; absent in single-seed predictors: 0)."""
+    k = meta.get("seed_index", 0)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise SpecPrefetchError(f"{where}: seed_index must be an integer >= 0, got {k!r}")
+    return k
+
+
+def _load_predictors(predictor_dirs: Sequence[tuple[str, Path]], model_name: str, reader: Any,
+                     device: torch.device) -> tuple[dict[PredictorKey, Predictor], dict[str, Any]]:
     """Load every predictor onto ``device`` after checking it is the method it is given as and fits the model and
-    the trace; return them with what the provenance records of each (directory, weights digest, config hash)."""
-    preds: dict[str, Predictor] = {}
+    the trace, keyed by (method, seed index); return them with what the provenance records of each (directory,
+    weights digest, config hash), keyed ``method`` (seed 0) or ``method/seed<k>``."""
+    preds: dict[PredictorKey, Predictor] = {}
     metas: dict[str, Any] = {}
-    for method, pdir in predictor_dirs.items():
+    for method, pdir in predictor_dirs:
         meta = read_meta(pdir)
+        where = Path(pdir) / "meta.json"
         if meta["method"] != method:
-            raise SpecPrefetchError(f"{Path(pdir) / 'meta.json'}: holds a {meta['method']!r} predictor, "
-                                    f"given as {method!r}")
+            raise SpecPrefetchError(f"{where}: holds a {meta['method']!r} predictor, given as {method!r}")
         _check_predictor(meta, Path(pdir), model_name, reader)
-        preds[method] = load_predictor(pdir, map_location=device)
-        metas[method] = {"dir": str(pdir), "sha256": meta["weights"]["sha256"], "config_hash": meta.get("config_hash")}
+        key = (method, seed_of(meta, where))
+        if key in preds:
+            raise SpecPrefetchError(f"{where}: {method} seed {key[1]} given twice")
+        preds[key] = load_predictor(pdir, map_location=device)
+        name = method if key[1] == 0 else f"{method}/seed{key[1]}"
+        metas[name] = {"dir": str(pdir), "sha256": meta["weights"]["sha256"], "config_hash": meta.get("config_hash")}
     return preds, metas
 
 
-def _count_hits(preds: Mapping[str, Predictor], reader: Any, budgets: list[int], mode: CandidateMode,
-                batch_tokens: int, device: torch.device, desc: str) -> tuple[dict[str, Tensor], int]:
+def _count_hits(preds: Mapping[PredictorKey, Predictor], reader: Any, budgets: list[int], mode: CandidateMode,
+                batch_tokens: int, device: torch.device, desc: str) -> tuple[dict[PredictorKey, Tensor], int]:
     """One pass over the trace: per method, the summed per-token recall of each budget and target layer
     (``[len(budgets), L-1]``, float64), and the number of tokens. Candidates are drawn once at the largest budget;
     a smaller budget is their prefix."""
@@ -113,18 +137,18 @@ def _count_hits(preds: Mapping[str, Predictor], reader: Any, budgets: list[int],
     return hits, n_tokens
 
 
-def _recall_tables(hits: Mapping[str, Tensor], n_tokens: int, budgets: list[int], model_name: str,
+def _recall_tables(hits: Mapping[PredictorKey, Tensor], n_tokens: int, budgets: list[int], model_name: str,
                    workload: str) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The recall table (per method and budget: the mean over target layers) and the per-layer table (``layer`` =
-    target MoE ordinal l+1) from the summed hits: ExpertRecall is a mean over tokens."""
+    """The recall table (per method, seed and budget: the mean over target layers) and the per-layer table
+    (``layer`` = target MoE ordinal l+1) from the summed hits: ExpertRecall is a mean over tokens."""
     rows, layer_rows = [], []
-    for method in hits:
+    for (method, seed), h in hits.items():
         for j, m in enumerate(budgets):
-            per_layer = hits[method][j] / n_tokens
-            rows.append({"model": model_name, "workload": workload, "method": method, "M": m,
+            per_layer = h[j] / n_tokens
+            rows.append({"model": model_name, "workload": workload, "method": method, "seed": seed, "M": m,
                          "expert_recall": float(per_layer.mean()), "n_tokens": n_tokens})
-            layer_rows += [{"model": model_name, "workload": workload, "method": method, "M": m, "layer": l + 1,
-                            "expert_recall": float(v)} for l, v in enumerate(per_layer.tolist())]
+            layer_rows += [{"model": model_name, "workload": workload, "method": method, "seed": seed, "M": m,
+                            "layer": l + 1, "expert_recall": float(v)} for l, v in enumerate(per_layer.tolist())]
     return pd.DataFrame(rows, columns=RECALL_COLUMNS), pd.DataFrame(layer_rows, columns=PER_LAYER_COLUMNS)
 
 
@@ -133,16 +157,17 @@ def evaluate_recall(
     model_name: str,
     workload: str,
     trace_dir: Path,
-    predictor_dirs: Mapping[str, Path],
+    predictor_dirs: Mapping[str, Path] | Sequence[tuple[str, Path]],
     out_csv: Path,
     candidates: CandidateMode | None = None,
     batch_tokens: int = 8192,
 ) -> pd.DataFrame:
     """ExpertRecall@M of every predictor on one workload trace, for every budget of ``budgets_for``.
 
-    Writes ``out_csv`` (model, workload, method, M, expert_recall, n_tokens) and ``<stem>_per_layer.csv``
-    (model, workload, method, M, layer, expert_recall; ``layer`` = target MoE ordinal l+1), both atomically,
-    plus ``<stem>.provenance.json``. Returns the overall table.
+    Writes ``out_csv`` (model, workload, method, seed, M, expert_recall, n_tokens) and ``<stem>_per_layer.csv``
+    (model, workload, method, seed, M, layer, expert_recall; ``layer`` = target MoE ordinal l+1), both atomically,
+    plus ``<stem>.provenance.json``. ``predictor_dirs``: ``{method: dir}``, or ``(method, dir)`` pairs with a
+    learned method once per seed index. Returns the overall table.
     """
     from specprefetch.config import budgets_for
 
@@ -154,7 +179,7 @@ def evaluate_recall(
     if max(budgets) > reader.n_experts:
         raise SpecPrefetchError(f"recall budget M={max(budgets)} > n_experts={reader.n_experts} of trace {trace_dir}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    preds, metas = _load_predictors(predictor_dirs, model_name, reader, device)
+    preds, metas = _load_predictors(predictor_pairs(predictor_dirs), model_name, reader, device)
     hits, n_tokens = _count_hits(preds, reader, budgets, mode, batch_tokens, device,
                                  desc=f"recall {model_name}/{workload}")
     if n_tokens == 0:
@@ -172,7 +197,8 @@ def evaluate_recall(
         "provenance": provenance({"recall": dict(cfg["recall"]), "model": dict(cfg["models"][model_name])}),
     })
     log.info("recall %s/%s: %d tokens, %s", model_name, workload, n_tokens,
-             ", ".join(f"{r.method}@{r.M}={r.expert_recall:.3f}" for r in df.itertuples()))
+             ", ".join(f"{r.method}{f'/seed{r.seed}' if r.seed else ''}@{r.M}={r.expert_recall:.3f}"
+                       for r in df.itertuples()))
     return df
 
 
@@ -210,12 +236,12 @@ def _token_weighted(frames: list[pd.DataFrame], key: list[str]) -> pd.DataFrame:
 def gather_recall(csvs: Iterable[Path], out: Path) -> pd.DataFrame:
     """Concatenate per-(model, workload) recall CSVs into one table (and their per-layer files when all
     inputs have one). The CSVs of the scatter shards of one trace set (their provenance names shard i of N) are
-    joined token-weighted, and must be shards 0..N-1 exactly; any other (model, workload, method, M) key present
-    twice is an error."""
+    joined token-weighted, and must be shards 0..N-1 exactly; any other (model, workload, method, seed, M) key
+    present twice is an error."""
     csvs = [Path(c) for c in csvs]
     if not csvs:
         raise SpecPrefetchError("gather_recall: no input CSVs")
-    key = ["model", "workload", "method", "M"]
+    key = ["model", "workload", "method", "seed", "M"]
     frames = [check_csv(c, "recall")[RECALL_COLUMNS] for c in csvs]
     for c, f in zip(csvs, frames, strict=True):
         f["_w"] = f["n_tokens"].astype(float)

@@ -37,6 +37,7 @@ from specprefetch.contracts import read_doc
 from specprefetch.io import SpecPrefetchError, atomic_path, config_hash, provenance, seed_everything, sha256_file
 from specprefetch.predictors.base import METHODS, Predictor, PredictorDims, build_predictor, predictor_class
 from specprefetch.predictors.data import OnlineChunks, TraceChunks, steps_for
+from specprefetch.predictors.sizing import seed_indices, sized_config
 
 log = logging.getLogger(__name__)
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
@@ -525,8 +526,9 @@ def _training_data(cfg: Mapping[str, Any], model_name: str, method: str, learned
 
 
 def _new_predictor(cfg: Mapping[str, Any], model_name: str, method: str, data: _TrainingData,
-                   model_dir: Path | None) -> Predictor:
-    """A freshly initialised predictor for the data's shapes (its weights come from the run's seed).
+                   model_dir: Path | None) -> tuple[Predictor, dict[str, Any]]:
+    """A freshly initialised predictor for the data's shapes (its weights come from the run's seed), and the record
+    of its size rule (empty without one: ``predictors.<method>.size``, resolved at these shapes).
 
     The draft model also needs a vocabulary that holds every token id it will see, and starts from the frozen
     model's input embeddings (projected to its width): from ``model_dir``, else from the loaded model online.
@@ -540,13 +542,18 @@ def _new_predictor(cfg: Mapping[str, Any], model_name: str, method: str, data: _
         if table is None and data.bundle is not None:  # online from the hub: the loaded model's own table
             table = data.bundle.model.get_input_embeddings().weight.detach().float().cpu()
         dims = dataclasses.replace(dims, vocab_size=resolve_vocab(cfg, model_dir, data.max_token_id, table))
-    predictor = build_predictor(method, cfg, dims, model=model_name)
+    sized, size_rule = sized_config(cfg, method, model_name, dims)
+    predictor = build_predictor(method, sized, dims, model=model_name)
     if table is not None:
         predictor.init_embeddings(table)  # type: ignore[attr-defined]
     elif getattr(predictor, "freeze_embedding", False):
         log.warning("draft_model: freeze_embedding is set but no input embedding was found in %s: the frozen "
                     "embedding stays random", model_dir if model_dir is not None else "(no --model-dir)")
-    return predictor
+    if size_rule:
+        log.info("%s for %s sized by %s: %s %d, %.3gx SpecPrefetch's parameters (paper %.3gx, residual %+.2f%%)",
+                 method, model_name, size_rule["rule"], size_rule["key"], size_rule["width"],
+                 size_rule["achieved_ratio"], size_rule["target_ratio"], size_rule["residual_pct"])
+    return predictor, size_rule
 
 
 def _resume_dir(cfg: Mapping[str, Any], model_name: str, method: str, predictor: Predictor, data: _TrainingData,
@@ -592,6 +599,21 @@ def _save_output(predictor: Predictor, meta: dict[str, Any], out_dir: Path, lear
     return {**predictor.meta(), **meta}
 
 
+def seeded_config(cfg: Mapping[str, Any], method: str, seed_index: int) -> dict[str, Any]:
+    """The config seed index ``seed_index`` trains with: ``predictors.training.seed`` + the index (data order and
+    initial weights; index 0 is the config itself). An index outside ``predictors.seeds`` (or above 0 for a
+    training-free method) is one line naming the key."""
+    learned = predictor_class(method).learned
+    indices = seed_indices(cfg, learned)
+    if seed_index not in indices:
+        what = f"predictors.seeds is {len(indices)}: 0..{len(indices) - 1}" if learned else "training-free: seed 0"
+        raise SpecPrefetchError(f"invalid seed index {seed_index} for {method} ({what})")
+    if seed_index == 0:
+        return dict(cfg)
+    tcfg = {**cfg["predictors"]["training"], "seed": int(cfg["predictors"]["training"]["seed"]) + seed_index}
+    return {**cfg, "predictors": {**cfg["predictors"], "training": tcfg}}
+
+
 def train_predictor(
     cfg: Mapping[str, Any],
     model_name: str,
@@ -600,17 +622,20 @@ def train_predictor(
     out_dir: Path,
     model_dir: Path | None = None,
     corpus_dir: Path | None = None,
+    seed_index: int = 0,
 ) -> dict[str, Any]:
     """Train/fit ``method`` for ``model_name`` and save it to ``out_dir`` (atomically); return its meta.
 
     ``train_traces``: the corpus trace directory (the data of ``source: traces``; with ``source: online`` it
     may be None, then gates / expert counts come from the model). ``model_dir``: the frozen model (draft-model
     embedding init; required online). ``corpus_dir``: the corpus workload directory (required online).
+    ``seed_index``: which of the ``predictors.seeds`` runs this is (:func:`seeded_config`).
     """
     if method not in METHODS:
         raise SpecPrefetchError(f"unknown predictor method {method!r}; known: {', '.join(METHODS)}")
     t0 = time.perf_counter()
     mcfg = _model_cfg(cfg, model_name)
+    cfg = seeded_config(cfg, method, seed_index)
     tcfg = cfg["predictors"]["training"]
     seed = int(tcfg["seed"])
     if tcfg["source"] not in ("traces", "online"):
@@ -621,7 +646,7 @@ def train_predictor(
     learned = predictor_class(method).learned
     ds_path = deepspeed_config_path(tcfg, warn=False) if learned else None  # fails now if deepspeed is missing
     data = _training_data(cfg, model_name, method, learned, train_traces, model_dir, corpus_dir)
-    predictor = _new_predictor(cfg, model_name, method, data, model_dir)
+    predictor, size_rule = _new_predictor(cfg, model_name, method, data, model_dir)
     run: dict[str, Any] = {"source": "online" if data.online else "traces"}
     if learned:
         precision = resolve_precision(tcfg["precision"])
@@ -636,6 +661,7 @@ def train_predictor(
     fragment = {"model": dict(mcfg), "method": method, "method_cfg": predictor.method_cfg, "training": dict(tcfg)}
     meta = {
         "model": model_name,
+        "seed_index": seed_index,
         "config_hash": config_hash(fragment),
         "training": run,
         "final_loss": run.get("final_loss"),
@@ -645,6 +671,8 @@ def train_predictor(
         "corpus_dir": str(corpus_dir) if data.online and corpus_dir is not None else None,
         "provenance": provenance(fragment, seed, model_dir=str(model_dir) if model_dir else None),
     }
+    if size_rule:
+        meta["size_rule"] = size_rule
     return _save_output(predictor, meta, out_dir, learned)
 
 

@@ -9,13 +9,14 @@ when there is one, the quantity (which selects its diff tolerance), and the exac
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from specprefetch.contracts import TABLE_FORMAT, read_doc, require
 from specprefetch.io import SpecPrefetchError, write_json_atomic
+from specprefetch.metrics import CI
 
 QUANTITIES = ("recall", "params", "throughput", "gain", "ready_recall", "latency_ms", "window_ms", "demand_ms",
               "exceed_pct", "share_pct", "m_max", "cosine", "entropy")  # cosine, entropy: table0_realism
@@ -28,8 +29,10 @@ class Cell:
     Device cells (values over repeats) also carry ``std`` (sample std, ddof=1), ``n`` (repeats), ``lo``/``hi`` (the
     95 % CI of the mean, paired bootstrap over repeats: ``render.data.bootstrap_ci``), ``spread`` ([min, max] over
     repeats) and ``repeats`` (the per-repeat values, keyed by the repeat number as a string), so the comparison
-    with the paper can settle a claim by its CI and pair two cells repeat by repeat. The four CI fields are left
-    out of the JSON when None (recall and parameter cells), and a cell without them reads as before.
+    with the paper can settle a claim by its CI and pair two cells repeat by repeat. A learned predictor's recall
+    cell trained with several seeds carries the same fields over seeds (``repeats`` keyed by the seed index,
+    ``lo``/``hi`` the t-interval of :func:`seed_ci`). The four CI fields are left out of the JSON when None
+    (single-seed recall, training-free methods, parameter cells), and a cell without them reads as before.
     """
 
     id: str
@@ -120,6 +123,56 @@ def read_table_doc(path: str | Path) -> TableDoc:
     return TableDoc(name=str(require(d, "name", str, str(path))), title=d.get("title", ""),
                     profile=d.get("profile", ""), cells=[Cell.from_json(c, str(path)) for c in cells],
                     meta=d.get("meta", {}))
+
+
+# --------------------------------------------------------------------------------------------- seeds
+
+# Two-sided 95 % Student-t quantiles t_{0.975, df} for df = 1..30 (standard tables); above 30 the Cornish-Fisher
+# expansion around the normal quantile (error < 1e-3).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_quantile(df: int) -> float:
+    """t_{0.975, df}: the multiplier of the standard error in a 95 % t-interval."""
+    if df < 1:
+        raise ValueError(f"t_quantile: df must be >= 1, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def seed_ci(values: Sequence[float]) -> CI:
+    """95 % t-interval of the mean of per-seed values (or of paired per-seed differences).
+
+    Why a t-interval and not the bootstrap the device cells use: seeds are few (3 on the embedded default) and a
+    percentile bootstrap of 3 values can only return means of resampled triples, an interval no wider than the
+    values' range that covers the mean far less than 95 % of the time; the t-interval (t_{0.975, 2} = 4.30 for 3
+    seeds) is the standard small-sample interval, wide when seeds are few, as it should be. One value: (v, v),
+    not ``decidable``."""
+    arr = [float(v) for v in values]
+    if not arr or not all(math.isfinite(v) for v in arr):
+        raise ValueError(f"seed_ci: need finite values, got {arr!r}")
+    n = len(arr)
+    mean = sum(arr) / n
+    if n == 1:
+        return CI(mean, mean, mean, 1)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in arr) / (n - 1))
+    hw = t_quantile(n - 1) * sd / math.sqrt(n)
+    return CI(mean, mean - hw, mean + hw, n)
+
+
+def seed_fields(per_seed: Mapping[int, float]) -> dict[str, Any]:
+    """A recall cell's value over seeds: ``value`` the mean; with two or more seeds also ``std``, ``n``,
+    ``lo``/``hi`` (:func:`seed_ci`), ``spread`` and ``repeats`` (per-seed values keyed by the seed index)."""
+    vals = [per_seed[k] for k in sorted(per_seed)]
+    ci = seed_ci(vals)
+    if ci.n == 1:
+        return {"value": ci.mean}
+    std = math.sqrt(sum((v - ci.mean) ** 2 for v in vals) / (ci.n - 1))
+    return {"value": ci.mean, "std": std, "n": ci.n, "lo": ci.lo, "hi": ci.hi, "spread": (min(vals), max(vals)),
+            "repeats": {str(k): per_seed[k] for k in sorted(per_seed)}}
 
 
 # --------------------------------------------------------------------------------------------- number formatting

@@ -12,6 +12,13 @@ Device claims (their cells come from measured runs) are decided by the 95 % pair
 ``Verdict.UNRESOLVED``; a comparison of two cells uses the CI of their per-repeat difference. The paper's cells have
 no CI (mean ± std) and are judged by their values. Count claims hold only with the count the paper states.
 
+Recall count claims (Tables 1-2) are decided the same way over training seeds: in each setting the paired
+difference (same seed index, workload and budget; a training-free method's one value pairs with every seed) has a
+95 % t-interval (``render.cells.seed_ci``), and a method "beats" another only where it excludes 0 (above), is beaten
+only where it excludes 0 below, and is tied otherwise. A claim that holds counting only decided settings holds; one
+that fails even with every tie counted for it fails; otherwise its verdict depends on the ties and is unresolved.
+Cells without per-seed values (one seed, the paper's) are compared by their values at the printed precision.
+
 A malformed claims file (unknown kind, missing operand, unknown id) is one ``ClaimsError`` line naming the claim
 and the key.
 """
@@ -33,7 +40,7 @@ from specprefetch.contracts import LATENCY_MODES, ContractError, read_doc
 from specprefetch.io import SpecPrefetchError
 from specprefetch.metrics import CI, CI_LEVEL, bootstrap_ci
 from specprefetch.render import style
-from specprefetch.render.cells import Cell, TableDoc
+from specprefetch.render.cells import Cell, TableDoc, seed_ci
 from specprefetch.render.reported import Reported
 from specprefetch.render.targets import CLAIMS, FIGURE_NAMES, TABLE_NAMES
 
@@ -470,6 +477,60 @@ def _need_keys(doc: TableDoc, spec: ClaimSpec, keys: Sequence[str]) -> None:
                               f"{doc.name}'s cell {c.id} has no {missing[0]!r}")
 
 
+def _setting_cells(doc: TableDoc, method: str) -> dict[tuple[str, str, str], dict[str, Cell]]:
+    """(model, workload, budget) -> {method label: cell} for recall tables, only settings where ``method`` has a
+    value."""
+    out: dict[tuple[str, str, str], dict[str, Cell]] = {}
+    for c in doc.cells:
+        if c.value is not None:
+            out.setdefault((c.keys["model"], c.keys["workload"], str(c.keys["budget"])), {})[c.keys["method"]] = c
+    return {k: v for k, v in out.items() if method in v}
+
+
+def seed_difference(a: Cell, b: Cell) -> CI | None:
+    """The 95 % t-interval of a - b over training seeds, paired by seed index (a cell without per-seed values, a
+    training-free method's, pairs its one value with each of the other's seeds); None when neither has per-seed
+    values or they share no seed."""
+    if not a.repeats and not b.repeats:
+        return None
+    assert a.value is not None and b.value is not None
+    ra = a.repeats or {}
+    rb = b.repeats or {}
+    seeds = sorted(set(ra) & set(rb)) if ra and rb else sorted(ra or rb)
+    if not seeds:
+        return None
+    return seed_ci([ra.get(k, a.value) - rb.get(k, b.value) for k in seeds])
+
+
+SettingOutcome = str  # "yes" (the test holds), "no" (it fails), "tie" (undecided by the seeds' CI)
+
+
+def _beats(a: Cell, b: Cell) -> SettingOutcome:
+    """a beats b: by the paired seed interval when there is one (yes iff lo > 0, no iff hi < 0, else tie), else by
+    the values at the printed precision (yes iff greater)."""
+    d = seed_difference(a, b)
+    if d is not None and d.decidable:
+        return "yes" if d.lo > 0 else "no" if d.hi < 0 else "tie"
+    assert a.value is not None and b.value is not None
+    return "yes" if round(a.value, 2) > round(b.value, 2) else "no"
+
+
+def _setting_outcome(spec: ClaimSpec, cells: Mapping[str, Cell]) -> SettingOutcome | None:
+    """``beats``: the method against ``other`` (None where the other has no value); ``best_or_tied``: no where
+    another method beats it, yes where its value is the best (ties at the printed precision included), tie where
+    it is below another's value but no other beats it by the seeds' interval."""
+    m = spec.ops["method"]
+    if spec.ops["test"] == "beats":
+        other = spec.ops["other"]
+        return None if other not in cells else _beats(cells[m], cells[other])
+    rivals = [c for label, c in cells.items() if label != m]
+    if any(_beats(c, cells[m]) == "yes" for c in rivals):
+        return "no"
+    assert cells[m].value is not None
+    best = max(round(c.value, 2) for c in cells.values() if c.value is not None)
+    return "yes" if round(cells[m].value, 2) >= best else "tie"
+
+
 def _settings(doc: TableDoc, method: str) -> dict[tuple[str, str, str], dict[str, float]]:
     """(model, workload, budget) -> {method label: value} for recall tables, only settings where ``method`` has one."""
     out: dict[tuple[str, str, str], dict[str, float]] = {}
@@ -480,40 +541,48 @@ def _settings(doc: TableDoc, method: str) -> dict[tuple[str, str, str], dict[str
     return {k: v for k, v in out.items() if method in v}
 
 
-def _setting_test(spec: ClaimSpec) -> Callable[[dict[str, float]], bool | None]:
-    """``best_or_tied``: the method's value is the setting's best; ``beats``: above ``other``'s (None where the
-    other has no value)."""
-    m = spec.ops["method"]
-    if spec.ops["test"] == "best_or_tied":
-        return lambda v: v[m] >= max(v.values())
-    other = spec.ops["other"]
-    return lambda v: None if other not in v else v[m] > v[other]
+def tally_ties(doc: TableDoc, spec: ClaimSpec) -> tuple[int, int, int]:
+    """(settings where the test holds, settings tied by the seeds' interval, settings where it applies), at
+    ``budget`` when given."""
+    _need_keys(doc, spec, ("model", "workload", "method", "budget"))
+    budget = spec.ops.get("budget")
+    hits = ties = total = 0
+    for (_, _, b), cells in _setting_cells(doc, spec.ops["method"]).items():
+        if budget is not None and b != budget:
+            continue
+        res = _setting_outcome(spec, cells)
+        if res is None:
+            continue
+        total += 1
+        hits += res == "yes"
+        ties += res == "tie"
+    return hits, ties, total
 
 
 def tally(doc: TableDoc, spec: ClaimSpec) -> tuple[int, int]:
     """(settings where the test holds, settings where it applies), at ``budget`` when given."""
-    _need_keys(doc, spec, ("model", "workload", "method", "budget"))
-    pred, budget = _setting_test(spec), spec.ops.get("budget")
-    hits = total = 0
-    for (_, _, b), vals in _settings(doc, spec.ops["method"]).items():
-        if budget is not None and b != budget:
-            continue
-        res = pred(vals)
-        if res is None:
-            continue
-        total += 1
-        hits += bool(res)
+    hits, _, total = tally_ties(doc, spec)
     return hits, total
 
 
 def _count(spec: ClaimSpec, doc: TableDoc | None, stated: Stated | None) -> Evaluation:
-    """"n of N" settings where the test holds; the claim holds only as ``stated`` (no stated count: n/a)."""
+    """"n of N" settings where the test holds; the claim holds only as ``stated`` (no stated count: n/a). With
+    settings tied by the seeds' interval: holds when the decided settings alone meet the count, fails when not even
+    every tie counted for it would, unresolved in between."""
     if doc is None:
         return Evaluation("not rendered", None)
-    hits, total = tally(doc, spec)
+    hits, ties, total = tally_ties(doc, spec)
     if total == 0:
         return Evaluation("no settings", None)
-    return Evaluation(f"{hits} of {total}", None if stated is None else stated.met(hits, total))
+    text = f"{hits} of {total}" + (f" ({ties} tied within the seeds' {_PCT} CI)" if ties else "")
+    if stated is None:
+        return Evaluation(text, None)
+    if stated.met(hits, total):
+        return Evaluation(text, True)
+    if ties and stated.met(hits + ties, total):
+        return Evaluation(text, Verdict.UNRESOLVED, f"depends on {ties} setting(s) tied within the seeds' {_PCT} "
+                                                    "CI of the paired difference")
+    return Evaluation(text, False)
 
 
 def _gain(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:

@@ -29,6 +29,7 @@ from specprefetch.render.cells import (
     fmt_params,
     latex_escape,
     pm_ci,
+    seed_fields,
     tex_cell,
     throughput_decimals,
 )
@@ -163,30 +164,57 @@ def recall_frame(recall: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any],
         if absent:
             raise RenderInputError(f"{path}: no rows with {col}={absent[0]!r} (column {col!r}; "
                                    f"the config lists it)")
-    dup = df.duplicated(["model", "workload", "method", "M"], keep=False)
+    dup = df.duplicated(["model", "workload", "method", "seed", "M"], keep=False)
     if dup.any():
         r = df[dup].iloc[0]
         raise RenderInputError(f"{path}: duplicate rows for model={r['model']!r}, workload={r['workload']!r}, "
-                               f"method={r['method']!r}, M={r['M']} (column 'M')")
+                               f"method={r['method']!r}, seed={r['seed']}, M={r['M']} (column 'M')")
     out = df.copy()
     out["pct"] = out["expert_recall"] * 100.0
     return out
 
 
-def _lookup(df: pd.DataFrame) -> dict[tuple[str, str, str, int], float]:
-    return {(r.model, r.workload, r.method, int(r.M)): float(r.pct) for r in df.itertuples()}
+RecallKey = tuple[str, str, str, int]  # (model, workload, method, M)
 
 
-def _recall_cell(table: str, cfg: Mapping[str, Any], values: Mapping[tuple[str, str, str, int], float],
+def _lookup(df: pd.DataFrame) -> dict[RecallKey, dict[int, float]]:
+    """Per (model, workload, method, M) the recall (%) of each seed index."""
+    out: dict[RecallKey, dict[int, float]] = {}
+    for r in df.itertuples():
+        out.setdefault((r.model, r.workload, r.method, int(r.M)), {})[int(r.seed)] = float(r.pct)
+    return out
+
+
+def _recall_cell(table: str, cfg: Mapping[str, Any], values: Mapping[RecallKey, dict[int, float]],
                  model: str, workload: str, method: str, b: Budget) -> Cell:
+    """One recall cell: the mean over the method's seeds, with its 95 % t-interval and the per-seed values when it
+    has two or more (printed ``mean ± half-width``); a single seed prints its value as before."""
     mdisp, wdisp, label = model_display(cfg, model), cfg["workloads"][workload]["display_name"], METHOD_LABELS[method]
-    v = values.get((model, workload, method, b.M))
-    if v is None:
+    per_seed = values.get((model, workload, method, b.M))
+    if per_seed is None:
         log.debug("%s: no ExpertRecall for %s / %s / %s at M=%d: printed as a dash", table, model, workload,
                   method, b.M)
-    return Cell(id=f"{mdisp}/{wdisp}/{label}/R@{b.M}", quantity="recall", value=v,
+    stats = seed_fields(per_seed) if per_seed else {"value": None}
+    v = stats["value"]
+    text = (pm_ci(v, stats["lo"], stats["hi"], RECALL_DECIMALS, math_mode=False) if "lo" in stats
+            else fmt_fixed(v, RECALL_DECIMALS))
+    return Cell(id=f"{mdisp}/{wdisp}/{label}/R@{b.M}", quantity="recall",
                 keys={"model": mdisp, "workload": wdisp, "method": label, "budget": b.role, "M": b.M},
-                text=fmt_fixed(v, RECALL_DECIMALS))
+                text=text, **stats)
+
+
+def _recall_tex(c: Cell) -> str:
+    """A recall cell in LaTeX: ``$mean\\pm h$`` with a seed interval, else its plain text."""
+    return pm_ci(c.value, c.lo, c.hi, RECALL_DECIMALS) if c.has_ci else tex_cell(c.text)
+
+
+def seeds_note(cfg: Mapping[str, Any], cells: list[Cell]) -> str:
+    """What the ± of a recall table means, or nothing when every cell is a single run."""
+    n = max((c.n or 1 for c in cells), default=1)
+    if n < 2:
+        return ""
+    return (f"Learned predictors: mean $\\pm$ 95\\,\\% t-interval half-width over {n} training seeds; "
+            "training-free methods are deterministic (one value).")
 
 
 def _workload_groups(cfg: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
@@ -226,7 +254,7 @@ def build_table1(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
             grid = [[_recall_cell("table1_recall", cfg, values, m, w, meth, b) for m in models for b in budgets[m]]
                     for meth in methods]
             cells += [c for row in grid for c in row]
-            texts = [[tex_cell(c.text) for c in row] for row in grid]
+            texts = [[_recall_tex(c) for c in row] for row in grid]
             for j in range(len(grid[0])):  # bold the best method per (benchmark, model, budget)
                 for i, on in enumerate(best_mask([row[j].value for row in grid], RECALL_DECIMALS)):
                     texts[i][j] = bold(texts[i][j], on)
@@ -246,7 +274,7 @@ def build_table1(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
                "LLM and VLM workloads. The evaluated candidate counts represent limited, native, and expanded "
                "prediction settings for each model. " + latex_escape(profile_sentence(cfg)))
     context = {"caption": caption, "label": "tab:recall", "models": model_ctx, "n_cols": col - 1,
-               "groups": groups, "note": budget_note(cfg, models)}
+               "groups": groups, "note": " ".join(x for x in (budget_note(cfg, models), seeds_note(cfg, cells)) if x)}
     _warn_dashes("table1_recall", cells)
     doc = TableDoc("table1_recall", "Table 1: next-layer expert coverage", cfg["profile"], cells,
                    meta={"models": {model_display(cfg, m): m for m in models},
@@ -274,7 +302,7 @@ def build_table2(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
             grid = {meth: [_recall_cell("table2_ablation", cfg, values, m, w, meth, b) for b in bs]
                     for meth in methods}
             cells += [c for meth in methods for c in grid[meth]]
-            texts = {meth: [tex_cell(c.text) for c in grid[meth]] for meth in methods}
+            texts = {meth: [_recall_tex(c) for c in grid[meth]] for meth in methods}
             for j in range(len(bs)):  # bold the better design per (benchmark, budget)
                 mask = best_mask([grid[meth][j].value for meth in methods], RECALL_DECIMALS)
                 for meth, on in zip(methods, mask, strict=True):
@@ -287,8 +315,8 @@ def build_table2(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
     caption = ("Predictor design ablation (ExpertRecall@$M$, \\%) across all workloads and candidate budgets: "
                "one shared Single MLP vs SpecPrefetch's layer-specific adapters. "
                + latex_escape(profile_sentence(cfg)))
-    context = {"caption": caption, "label": "tab:ablation", "panels": panels,
-               "note": budget_note(cfg, list(cfg["models"]))}
+    note = " ".join(x for x in (budget_note(cfg, list(cfg["models"])), seeds_note(cfg, cells)) if x)
+    context = {"caption": caption, "label": "tab:ablation", "panels": panels, "note": note}
     _warn_dashes("table2_ablation", cells)
     doc = TableDoc("table2_ablation", "Table 2: predictor design ablation", cfg["profile"], cells,
                    meta={"models": {model_display(cfg, m): m for m in cfg["models"]}})
@@ -326,11 +354,49 @@ def build_table3(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
             cells.append(c)
             row.append(tex_cell(c.text))
         rows.append({"label": latex_escape(mdisp), "cells": row})
+    ratios = param_ratios(cfg, lookup, methods)
     caption = "Trainable parameters of different expert predictors. " + latex_escape(profile_sentence(cfg))
+    if ratios:
+        caption += " " + latex_escape(ratio_sentence(ratios))
     context = {"caption": caption, "label": "tab:params", "rows": rows,
                "methods": [latex_escape(METHOD_LABELS[m]) for m in methods]}
-    doc = TableDoc("table3_params", "Table 3: trainable parameters", cfg["profile"], cells)
+    doc = TableDoc("table3_params", "Table 3: trainable parameters", cfg["profile"], cells,
+                   meta={"ratios": ratios} if ratios else {})
     return Built("table3_params.tex.j2", context, doc)
+
+
+def param_ratios(cfg: Mapping[str, Any], lookup: Mapping[tuple[str, str], int],
+                 methods: list[str]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per model (display name) and baseline (label): its parameters over SpecPrefetch's, the paper's Table 3 ratio
+    for that model and the residual (achieved / paper - 1, in %): how well the size rule
+    (``predictors.<method>.size``, :mod:`specprefetch.predictors.sizing`) met the paper's relative sizes. Models
+    and methods the paper's table lacks are left out."""
+    from specprefetch.predictors.sizing import SizeRuleError, paper_ratio
+
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for m in cfg["models"]:
+        anchor = lookup.get((m, "specprefetch"))
+        for meth in methods:
+            v = lookup.get((m, meth))
+            if meth == "specprefetch" or not anchor or v is None:
+                continue
+            try:
+                target = paper_ratio(model_display(cfg, m), meth)
+            except (SizeRuleError, KeyError):
+                continue
+            achieved = v / anchor
+            out.setdefault(model_display(cfg, m), {})[METHOD_LABELS[meth]] = {
+                "achieved": round(achieved, 4), "paper": round(target, 4),
+                "residual_pct": round(100.0 * (achieved / target - 1.0), 2)}
+    return out
+
+
+def ratio_sentence(ratios: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
+    """The caption's line on the relative sizes: reproduced vs paper ratio to SpecPrefetch, per model."""
+    parts = ["; ".join(f"{meth} {r['achieved']:.2f}× vs {r['paper']:.2f}× ({r['residual_pct']:+.1f} %)"
+                       for meth, r in by.items()) for by in ratios.values()]
+    return "Parameters relative to SpecPrefetch, reproduced vs paper (residual): " + "; ".join(
+        f"{model}: {p}" for model, p in zip(ratios, parts, strict=True)) + "."
 
 
 # --------------------------------------------------------------------------------------------- Tables 4, 5

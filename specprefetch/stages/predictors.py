@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specprefetch.stages.common import add_model_args, load_args_config, parse_predictor_args
+from specprefetch.io import SpecPrefetchError
+from specprefetch.stages.common import add_model_args, load_args_config
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
@@ -13,17 +14,30 @@ def _cmd_train(args: argparse.Namespace) -> None:
 
     cfg = load_args_config(args)
     meta = train_predictor(cfg, args.model, args.method, args.traces, args.out, model_dir=args.model_dir,
-                           corpus_dir=args.corpus)
+                           corpus_dir=args.corpus, seed_index=args.seed_index)
     loss = meta.get("final_loss")
-    print(f"{args.method} for {args.model}: {meta['trainable_params']} trainable params, "
+    print(f"{args.method} (seed {args.seed_index}) for {args.model}: {meta['trainable_params']} trainable params, "
           f"final loss {loss if loss is None else f'{loss:.4f}'}, {meta['wall_time_s']:.1f}s -> {args.out}")
+
+
+def predictor_pairs(values: list[str]) -> list[tuple[str, Path]]:
+    """``METHOD=DIR`` pairs in order; a method may repeat (one directory per seed: each meta.json says its seed,
+    and evaluate_recall refuses a (method, seed) given twice); a malformed pair is an error naming it."""
+    out: list[tuple[str, Path]] = []
+    for v in values:
+        method, sep, path = v.partition("=")
+        method = method.strip()
+        if not sep or not method or not path:
+            raise SpecPrefetchError(f"invalid --predictor {v!r}: use METHOD=DIR")
+        out.append((method, Path(path)))
+    return out
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> None:
     from specprefetch.predictors.evaluate import evaluate_recall
 
     cfg = load_args_config(args)
-    df = evaluate_recall(cfg, args.model, args.workload, args.traces, parse_predictor_args(args.predictor),
+    df = evaluate_recall(cfg, args.model, args.workload, args.traces, predictor_pairs(args.predictor),
                          args.out, candidates=args.candidates)
     print(df.to_string(index=False))
 
@@ -49,6 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                     "previous_token, frequency or oracle")
     p.add_argument("--traces", type=Path, default=None, help="corpus trace directory")
     p.add_argument("--corpus", type=Path, default=None, help="corpus workload directory (source: online)")
+    p.add_argument("--seed-index", type=int, default=0,
+                   help="which of the predictors.seeds runs (trains with predictors.training.seed + index)")
     p.add_argument("--out", required=True, type=Path, help="output predictor directory")
     p.set_defaults(func=_cmd_train)
 
@@ -56,7 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p, model_dir=False)
     p.add_argument("--workload", required=True)
     p.add_argument("--traces", required=True, type=Path, help="the workload's trace directory")
-    p.add_argument("--predictor", action="append", required=True, metavar="METHOD=DIR")
+    p.add_argument("--predictor", action="append", required=True, metavar="METHOD=DIR",
+                   help="a saved predictor; a learned method once per seed")
     p.add_argument("--candidates", choices=("token", "batch"), default=None,
                    help="override recall.candidates from the config")
     p.add_argument("--out", required=True, type=Path, help="output CSV (a _per_layer.csv is written beside it)")

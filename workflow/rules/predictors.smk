@@ -1,17 +1,22 @@
 # Next-layer expert predictors (SpecPrefetch adapters and baselines), trained on the corpus traces (training
 # source "traces") or with the frozen model in the loop (source "online": no corpus traces are extracted at all),
-# and ExpertRecall@M on every evaluation workload shard (Tables 1-3).
+# and ExpertRecall@M on every evaluation workload shard (Tables 1-3). A learned method is trained once per seed
+# (predictors.seeds; one job per model, method and seed): seed 0 in <method>, seed k in <method>.seed<k>.
+
+
+wildcard_constraints:
+    seed_tag=P.SEED_TAG,
 
 
 rule train_predictor:
     input:
         unpack(lambda w: P.train_inputs(w.model)),
     output:
-        directory(P.predictor_dir()),
+        directory(P.predictor_dir(seed="{seed_tag}")),
     log:
-        P.log_path("train_predictor", "{model}/{method}"),
+        P.log_path("train_predictor", "{model}/{method}{seed_tag}"),
     benchmark:
-        P.benchmark_path("train_predictor", "{model}/{method}")
+        P.benchmark_path("train_predictor", "{model}/{method}{seed_tag}")
     conda:
         P.conda_env
     threads: 1
@@ -19,7 +24,8 @@ rule train_predictor:
         **P.resources("train_predictor"),
     params:
         config=P.config_param,
-        cfg=lambda w: P.hash_of("predictors", model=w.model),
+        cfg=lambda w: P.train_hash(w.model),
+        seed_index=lambda w: P.seed_index(w.seed_tag),
         model_dir=lambda w: P.model_dir_arg(w.model),
         # shell words, quoted by P.traces_arg / P.model_dir_arg / P.train_command (inserted unquoted below)
         traces=lambda w, input: P.traces_arg(input.traces) if "traces" in input.keys() else "",
@@ -29,14 +35,14 @@ rule train_predictor:
     shell:
         "export OMP_NUM_THREADS={threads:q}; "
         "{params.run} train-predictor --config {params.config:q} --model {wildcards.model:q} "
-        "--method {wildcards.method:q} {params.traces} --corpus {input.corpus:q} {params.model_dir} --out {output:q} "
+        "--method {wildcards.method:q} --seed-index {params.seed_index:q} {params.traces} --corpus {input.corpus:q} {params.model_dir} --out {output:q} "
         "2>&1 | tee {log:q}"
 
 
 rule evaluate_recall:
     input:
         traces=P.trace_shard_dir(),
-        predictors=lambda w: [P.predictor_dir(w.model, m) for m in P.methods],
+        predictors=lambda w: [d for _, d in P.seeded_predictor_dirs(w.model, P.methods)],
     output:
         P.recall_csv(),
     log:
@@ -52,7 +58,7 @@ rule evaluate_recall:
         cli=P.cli,
         config=P.config_param,
         cfg=lambda w: P.hash_of("recall", model=w.model),
-        predictors=lambda w: P.predictor_args(w.model, P.methods),  # quoted shell words
+        predictors=lambda w: P.predictor_args(w.model, P.methods, every_seed=True),  # quoted shell words
     shell:
         "{params.cli} evaluate-recall --config {params.config:q} --model {wildcards.model:q} "
         "--workload {wildcards.workload:q} --traces {input.traces:q} {params.predictors} --out {output:q} "
