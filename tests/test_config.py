@@ -94,7 +94,8 @@ BAD = [
     ("predictors.methods", ["specprefetch", "magic"], "predictors.methods"),
     ("predictors.training.lr", -1.0, "predictors.training.lr"),
     ("predictors.training.deepspeed_config", "config/missing.json", "predictors.training.deepspeed_config"),
-    ("predictors.draft_model.num_heads", 3, "predictors.draft_model.num_heads"),
+    # a fixed width (the default profile's size rule solves d_model in multiples of the heads)
+    ("predictors.draft_model", {"num_layers": 2, "d_model": 128, "num_heads": 3}, "predictors.draft_model.num_heads"),
     ("workloads.gsm8k.generator", "local", "workloads.gsm8k.path"),
     ("device.max_repeats", 2, "device.max_repeats"),
     ("device.target_ci_pp", 0, "device.target_ci_pp"),
