@@ -676,3 +676,21 @@ def test_config_yaml_still_loads() -> None:
         assert isinstance(parse_yaml(cfg.read_text(), str(cfg)), dict)
     assert parse_yaml("a: &x [1, 2]\nb: *x\n", "c.yaml") == {"a": [1, 2], "b": [1, 2]}
     assert yaml.safe_load("a: 1") == {"a": 1}
+
+
+def test_killed_prepare_corpus_spill_is_removed_on_rerun(smoke_cfg: dict[str, Any], tmp_path: Path) -> None:
+    """A SIGKILLed prepare-corpus leaves its image spill directory; the rerun removes it (one job owns the corpus)."""
+    import copy
+
+    from specprefetch.data.corpus import prepare_train_corpus
+
+    stale = tmp_path / ".corpus.images-k1ll3d00"
+    (stale / "x").mkdir(parents=True)
+    (stale / "x" / "00001.png").write_bytes(b"partial")
+    other = tmp_path / ".other.images-k1ll3d00"  # another target's spill is not this job's to remove
+    other.mkdir()
+    cfg = copy.deepcopy(smoke_cfg)
+    prepare_train_corpus(cfg, tmp_path / "corpus")
+    assert (tmp_path / "corpus" / "manifest.json").is_file()
+    assert not stale.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.images-k1ll3d00", "corpus"]

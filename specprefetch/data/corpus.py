@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import shutil
 import tempfile
 from collections.abc import Sequence
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +129,10 @@ def prepare_train_corpus(cfg: dict[str, Any], out_dir: Path) -> None:
             parts[gen] = synth_drafts(gen, g_seed, want, size, avoid)
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".corpus-images-", dir=out_dir.parent) as spill:
+    prefix = f".{out_dir.name}.images-"  # one job owns out_dir: a spill left by a killed run (SIGKILL) is removed
+    for stale in out_dir.parent.glob(f"{glob_escape(prefix)}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=out_dir.parent) as spill:
         _write_corpus(cfg, out_dir, parts, hub, keys, counts, Path(spill))
 
 
