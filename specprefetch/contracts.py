@@ -48,6 +48,7 @@ METHODS: Sequence[str] = NameView(registry.methods, "predictor method")
 EXPERIMENTS = ("main", "matched", "sweep", "storage", "component", "budget")
 # latency.csv: the per-layer breakdown of Figure 1(a)
 LATENCY_MODES = ("resident", "on_demand")
+REALISM_TOKEN_TYPES = ("all", "text", "image")  # the realism table's token split (traces' is_image flag)
 LATENCY_PARTS = ("attention", "router", "expert_load", "moe_compute", "other")
 
 # The format string of every artefact (its manifest's or document's ``format``); a reader accepts only its own.
@@ -264,8 +265,8 @@ class Column:
     hi: float | None = None
     lo_open: bool = False
     nullable: bool = False
-
     default: str | None = None  # a column older files lack: read as this value (recall's seed: "0")
+
 
 
 CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
@@ -300,12 +301,20 @@ CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
         Column("platform"), Column("model"), Column("mode", allowed=LATENCY_MODES), Column("layer", "int", lo=0),
         Column("component", allowed=LATENCY_PARTS), Column("ms", "float", lo=0.0),
     ),
+    # results/realism/realism.csv (traces.realism): per model, workload and token type, FATE R@K and the routing
+    # properties behind it (adjacent router-input cosine, normalised expert-load entropy)
+    "realism": (
+        Column("model"), Column("workload"), Column("tokens", allowed=REALISM_TOKEN_TYPES), Column("M", "int", lo=1),
+        Column("n_tokens", "int", lo=0, lo_open=True), Column("fate_recall", "float", lo=0.0, hi=1.0),
+        Column("input_cosine", "float", lo=-1.0, hi=1.0), Column("load_entropy", "float", lo=0.0, hi=1.0),
+    ),
 }
 
 # Column names in file order (the writers' headers); runs.csv has more columns than its contract checks.
 RECALL_COLUMNS = [c.name for c in CSV_CONTRACTS["recall"]]
 PER_LAYER_COLUMNS = [c.name for c in CSV_CONTRACTS["per_layer"]]
 PARAM_COLUMNS = [c.name for c in CSV_CONTRACTS["params"]]
+REALISM_COLUMNS = [c.name for c in CSV_CONTRACTS["realism"]]
 RUN_COLUMNS = [
     "platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat", "tokens_per_s",
     "ready_recall", "n_tokens", "hits", "misses", "prefetched", "wasted", "stall_ms", "source",
@@ -390,6 +399,9 @@ def check_csv(path: str | os.PathLike, contract: str) -> pd.DataFrame:
     df = read_csv(path, (), f"{contract} results CSV", dtype=str, keep_default_na=False, na_values=[""])
     df.columns = [str(c).strip() for c in df.columns]
     cols = CSV_CONTRACTS[contract]
+    for col in cols:
+        if col.default is not None and col.name not in df.columns:
+            df[col.name] = col.default
     missing = [c.name for c in cols if c.name not in df.columns]
     if missing:
         raise ContractError(f"{path}: missing column(s) {', '.join(repr(m) for m in missing)} "
@@ -399,9 +411,6 @@ def check_csv(path: str | os.PathLike, contract: str) -> pd.DataFrame:
     df = df.reset_index(drop=True)
     for col in cols:
         df[col.name] = _coerce(df, col, path)
-    for col in cols:
-        if col.default is not None and col.name not in df.columns:
-            df[col.name] = col.default
     return df
 
 

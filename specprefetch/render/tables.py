@@ -591,6 +591,120 @@ def build_table5(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
     return Built("table5_matched.tex.j2", context, doc)
 
 
+# --------------------------------------------------------------------------------------------- Table 0 (realism)
+
+REALISM_TARGET_PP = 5.0  # issue 27: a stand-in routes like the real model when FATE R@K is within 5 pp of the paper's
+REALISM_DECIMALS = {"recall": 2, "cosine": 3, "entropy": 3}
+# (column key, token type, measured quantity), in the table's order after the stand-in / paper / delta columns
+REALISM_SPLIT = (("recall_text", "text", "recall"), ("recall_image", "image", "recall"),
+                 ("cosine_all", "all", "cosine"), ("cosine_text", "text", "cosine"),
+                 ("cosine_image", "image", "cosine"), ("entropy_all", "all", "entropy"),
+                 ("entropy_text", "text", "entropy"), ("entropy_image", "image", "entropy"))
+_REALISM_FIELD = {"recall": "fate_recall", "cosine": "input_cosine", "entropy": "load_entropy"}
+
+
+def _paper_fate(reported_path: Path | None) -> dict[tuple[str, str], float]:
+    """The paper's FATE R@K (Table 1, budget K) by (model display name, workload display name)."""
+    from specprefetch.render.reported import load_reported
+
+    doc = load_reported(reported_path).tables.get("table1_recall")
+    if doc is None:
+        raise RenderInputError(f"{reported_path or 'the reported-numbers file'}: no table1_recall (the paper's FATE "
+                               "R@K the realism table compares with)")
+    return {(c.keys["model"], c.keys["workload"]): c.value for c in doc.cells
+            if c.keys.get("method") == METHOD_LABELS["fate"] and c.keys.get("budget") == "K" and c.value is not None}
+
+
+def _realism_rows(path: Path, cfg: Mapping[str, Any]) -> dict[tuple[str, str, str], Any]:
+    """realism.csv by (model, workload, tokens): every configured (model, workload) with an ``all`` row at M = K."""
+    df = read_result_csv(path, "realism")
+    models, workloads = list(cfg["models"]), list(cfg["workloads"])
+    stale = df[~df["model"].isin(models) | ~df["workload"].isin(workloads)]
+    if not stale.empty:
+        log.warning("%s: ignoring %d rows of models/workloads not in the config", path, len(stale))
+    dup = df.duplicated(["model", "workload", "tokens"], keep=False)
+    if dup.any():
+        r = df[dup].iloc[0]
+        raise RenderInputError(f"{path}: duplicate rows for model={r['model']!r}, workload={r['workload']!r}, "
+                               f"tokens={r['tokens']!r} (column 'tokens')")
+    rows = {(r.model, r.workload, r.tokens): r for r in df.itertuples()}
+    for m in models:
+        for w in workloads:
+            r = rows.get((m, w, "all"))
+            if r is None:
+                raise RenderInputError(f"{path}: no row with model={m!r}, workload={w!r}, tokens='all' (the config "
+                                       "lists both)")
+            if int(r.M) != int(cfg["models"][m]["top_k"]):
+                raise RenderInputError(f"{path}: column 'M' is {r.M} for {m}/{w}, but the config's top_k is "
+                                       f"{cfg['models'][m]['top_k']} (a stale file?)")
+    return rows
+
+
+def _realism_value(rows: Mapping[tuple[str, str, str], Any], key: tuple[str, str, str], quantity: str) -> float | None:
+    r = rows.get(key)
+    if r is None:
+        return None
+    v = float(getattr(r, _REALISM_FIELD[quantity]))
+    return v * 100.0 if quantity == "recall" else v
+
+
+def _realism_cell(keys: Mapping[str, str], col: str, quantity: str, tokens: str, value: float | None,
+                  sign: bool = False) -> Cell:
+    return Cell(id=f"{keys['model']}/{keys['workload']}/{col}", quantity=quantity, value=value,
+                keys={**keys, "column": col, "tokens": tokens},
+                text=fmt_fixed(value, REALISM_DECIMALS[quantity], sign=sign))
+
+
+def build_table0(inputs: Mapping[str, Path], cfg: Mapping[str, Any], reported: Path | None = None) -> Built:
+    """Stand-in realism: per model and workload, FATE R@K against the paper's, and the routing properties behind
+    it (adjacent router-input cosine, normalised expert-load entropy), all tokens and by token type."""
+    path = inputs["realism"]
+    rows_of = _realism_rows(path, cfg)
+    paper = _paper_fate(reported)
+    models = list(cfg["models"])
+    cells: list[Cell] = []
+    blocks = []
+    n_within = n_compared = 0
+    for m in models:
+        mdisp = model_display(cfg, m)
+        rows = []
+        for w in cfg["workloads"]:
+            wdisp = cfg["workloads"][w]["display_name"]
+            keys = {"model": mdisp, "workload": wdisp}
+            ours, ref = _realism_value(rows_of, (m, w, "all"), "recall"), paper.get((mdisp, wdisp))
+            delta = None if ours is None or ref is None else ours - ref
+            row = [_realism_cell(keys, "recall", "recall", "all", ours),
+                   _realism_cell(keys, "paper", "recall", "all", ref),
+                   _realism_cell(keys, "delta", "recall", "all", delta, sign=True)]
+            row += [_realism_cell(keys, col, q, tok, _realism_value(rows_of, (m, w, tok), q))
+                    for col, tok, q in REALISM_SPLIT]
+            cells += row
+            texts = [tex_cell(c.text) for c in row]
+            if delta is not None:
+                within = abs(delta) <= REALISM_TARGET_PP
+                n_compared += 1
+                n_within += within
+                texts[2] = bold(texts[2], within)
+            rows.append({"label": latex_escape(wdisp), "cells": texts})
+        blocks.append({"model": latex_escape(mdisp), "rows": rows})
+    k_text = " and ".join(f"$K={cfg['models'][m]['top_k']}$ for {latex_escape(model_display(cfg, m))}"
+                          for m in models)
+    caption = (r"Stand-in realism: how predictable the models' routing is from one MoE layer to the next. FATE "
+               r"ExpertRecall@$K$ (\%) of the models here vs the paper's (Table 1), by token type, with the routing "
+               r"properties behind it: the cosine similarity of adjacent MoE layers' router inputs and the expert-load "
+               r"entropy (normalised by $\log n$, averaged over layers). " + latex_escape(profile_sentence(cfg)))
+    note = (f"{k_text}. " + r"$\Delta$: here $-$ paper; bold: within "
+            + f"{REALISM_TARGET_PP:g} pp ({n_within} of {n_compared} cells). "
+            + r"Image tokens: the workloads' image placeholders (the traces' \texttt{is\_image} flag); text: every "
+            r"other token. --: no such tokens, or no paper value.")
+    context = {"caption": caption, "label": "tab:realism", "blocks": blocks, "note": note}
+    doc = TableDoc("table0_realism", "Table 0: stand-in realism (routing predictability)", cfg["profile"], cells,
+                   meta={"models": {model_display(cfg, m): m for m in models},
+                         "M": {model_display(cfg, m): int(cfg["models"][m]["top_k"]) for m in models},
+                         "target_pp": REALISM_TARGET_PP, "within_target": n_within, "compared": n_compared})
+    return Built("table0_realism.tex.j2", context, doc)
+
+
 # --------------------------------------------------------------------------------------------- registry
 
 
@@ -601,9 +715,11 @@ class TableSpec:
     name: str
     inputs: tuple[str, ...]
     build: Callable[[Mapping[str, Path], Mapping[str, Any]], Built]
+    compared: bool = True  # has a reproduced-vs-reported companion (table0_realism is itself a comparison)
 
 
 TABLES: dict[str, TableSpec] = {
+    "table0_realism": TableSpec("table0_realism", ("realism",), build_table0, compared=False),
     "table1_recall": TableSpec("table1_recall", ("recall",), build_table1),
     "table2_ablation": TableSpec("table2_ablation", ("recall",), build_table2),
     "table3_params": TableSpec("table3_params", ("params",), build_table3),

@@ -23,7 +23,7 @@ from specprefetch.stages.common import add_config_arg, load_args_config
 
 log = logging.getLogger(__name__)
 
-INPUT_FLAGS = ("recall", "per_layer", "params", "runs", "window", "window_events", "latency")
+INPUT_FLAGS = ("recall", "per_layer", "params", "runs", "window", "window_events", "latency", "realism")
 
 
 def _add_input_flags(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
@@ -151,7 +151,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("render-tables", help="Tables 1-5 as LaTeX (+ a JSON of every cell) from the result CSVs")
     add_config_arg(p)
     p.add_argument("--table", action="append", choices=TABLES, help="only this table (repeatable)")
-    _add_input_flags(p, ("recall", "params", "runs"))
+    _add_input_flags(p, ("recall", "params", "runs", "realism"))
     p.add_argument("--out-dir", required=True, type=Path, help="writes <table>.tex and <table>.json here")
     p.add_argument("--templates", type=Path, default=None, help="jinja2 template directory (workflow/templates)")
     p.set_defaults(func=_cmd_render_tables)

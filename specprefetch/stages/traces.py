@@ -1,4 +1,4 @@
-"""CLI: ``extract-traces``, ``gather-traces``, ``verify-traces``, ``trace-stats``."""
+"""CLI: ``extract-traces``, ``gather-traces``, ``verify-traces``, ``trace-stats``, ``measure-realism``."""
 
 from __future__ import annotations
 
@@ -71,6 +71,14 @@ def _cmd_estimate(args: argparse.Namespace) -> None:
     print(render_estimate(cfg, rows, sets))
 
 
+def _cmd_realism(args: argparse.Namespace) -> None:
+    from specprefetch.traces.realism import measure_realism, write_realism
+
+    cfg = load_args_config(args)
+    df = write_realism(measure_realism(args.traces, models=list(cfg["models"])), args.out)
+    print(df.to_string(index=False))
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("extract-traces", help="run a model over a workload and store its routing traces")
     add_model_args(p)
@@ -100,6 +108,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="trace-extraction throughput per GPU (default 2000, an assumption: measure it)")
     p.add_argument("--read-gb-per-s", type=float, default=1.5, help="trace read bandwidth (default 1.5 GB/s)")
     p.set_defaults(func=_cmd_estimate)
+
+    p = sub.add_parser("measure-realism", help="how real the models' routing is, from their traces: FATE R@K, "
+                                                "adjacent router-input cosine, expert-load entropy, by token type")
+    add_config_arg(p)
+    p.add_argument("--out", required=True, type=Path, help="the realism CSV to write (atomically)")
+    p.add_argument("traces", nargs="+", type=Path, help="trace directories (the scatter shards of one set are joined)")
+    p.set_defaults(func=_cmd_realism)
 
     p = sub.add_parser("verify-traces", help="check every file of a trace against its manifest (sha256)")
     p.add_argument("dir", type=Path)
