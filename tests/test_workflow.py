@@ -30,10 +30,11 @@ def job_counts(output: str) -> dict[str, int]:
 # Per profile: 5 workloads, 2 models x (corpus + 5 workloads) trace sets of traces.scatter shards each, gathered
 # where the whole set is read (the corpus for training, the simulator's workloads), 2 x 8 predictors (the 4 learned
 # ones once per seed: seeds(n) jobs per model), recall per
-# shard, runtime benchmarks per device model, 5 tables, 6 figures; the PDF only where pdflatex is installed.
+# shard, the stand-in realism over every workload's shards, runtime benchmarks per device model, 6 tables (Table 0: the
+# realism), 6 figures; the PDF only where pdflatex is installed.
 COMMON = {"prepare_workload": 5, "prepare_corpus": 1, "check_disjoint": 1,
-          "train_predictor": 16, "gather_recall": 1, "gather_params": 1,
-          "render_table": 5, "render_figure": 6, "collect_device_benchmarks": 1, "compare_with_paper": 1,
+          "train_predictor": 16, "gather_recall": 1, "gather_params": 1, "measure_realism": 1,
+          "render_table": 6, "render_figure": 6, "collect_device_benchmarks": 1, "compare_with_paper": 1,
           "write_preview": 1, "archive_results": 1, "write_numbers": 1, "paper_tables": 1,
           **({"compile_preview": 1} if shutil.which("pdflatex") else {})}
 
@@ -139,7 +140,7 @@ def test_smoke_profile_end_to_end(tmp_path: Path) -> None:
     # --forcerun render_table reruns the rendering and what depends on it, nothing upstream.
     forced = snakemake(tmp_path, "-n", "--cores", "1", "paper_tables", "--forcerun", "render_table", *smoke)
     assert forced.returncode == 0 and job_counts(forced.stdout) == {
-        "render_table": 5, "compare_with_paper": 1, "write_preview": 1, "paper_tables": 1,
+        "render_table": 6, "compare_with_paper": 1, "write_preview": 1, "paper_tables": 1,
         **({"compile_preview": 1} if shutil.which("pdflatex") else {})}, forced.stdout[-3000:]
     kill_an_extraction_shard_and_resume(tmp_path, smoke)
 
