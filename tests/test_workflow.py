@@ -140,7 +140,7 @@ def test_smoke_profile_end_to_end(tmp_path: Path) -> None:
     # --forcerun render_table reruns the rendering and what depends on it, nothing upstream.
     forced = snakemake(tmp_path, "-n", "--cores", "1", "paper_tables", "--forcerun", "render_table", *smoke)
     assert forced.returncode == 0 and job_counts(forced.stdout) == {
-        "render_table": 6, "compare_with_paper": 1, "write_preview": 1, "paper_tables": 1,
+        "render_table": 6, "compare_with_paper": 1, "write_numbers": 1, "write_preview": 1, "paper_tables": 1,
         **({"compile_preview": 1} if shutil.which("pdflatex") else {})}, forced.stdout[-3000:]
     kill_an_extraction_shard_and_resume(tmp_path, smoke)
 
