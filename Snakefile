@@ -35,7 +35,7 @@ CONDA = workflow.deployment_settings is not None and (
 if CONDA:
     os.environ.setdefault("SPECPREFETCH_SOURCE", str(workflow.basedir))
 
-# Validates the config (schema via snakemake.utils.validate, then cross-field checks) before any job runs,
+# Validates the config (schema with enums from specprefetch.registry, then cross-field checks) before any job runs,
 # and writes the resolved config that every job reads (content-addressed under .snakemake/). The config files
 # are read once more by the project's strict reader: Snakemake's YAML loader keeps the last of two equal keys.
 # Between-workflow caching of the expensive deterministic rules (specprefetch.workflow.CACHEABLE_RULES): with

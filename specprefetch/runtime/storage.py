@@ -6,9 +6,9 @@ Profiles (the ``storage`` column of ``runs.csv``):
   buffers, so every load is a real device read: the phone setting, where RAM is too small to cache the experts).
   A direct read lands in a *staging buffer* (:meth:`ExpertReader.staging`: long-lived, page-aligned, pinned on
   CUDA, shared by every run of the reader) and is then copied into its cache slot, as the CUDA path copies it to
-  the GPU. Measured on the reference VM: ``O_DIRECT`` reads into some freshly allocated buffers run ~2x slower
-  than into others, persistently per buffer, while a copy into them does not (``docs/reference.md``); a run's own
-  cache memory would otherwise set its read speed, which pairing across runs cannot remove.
+  the GPU. On the reference VM ``O_DIRECT`` reads into some freshly allocated buffers ran about twice as slow as
+  into others, persistently per buffer, while a copy into them did not; a run's own cache memory would otherwise
+  set its read speed, which pairing across runs cannot remove.
   Where the file system refuses ``O_DIRECT`` (tmpfs, some overlays) the reader falls back, with a logged warning,
   to ``POSIX_FADV_RANDOM`` reads whose pages are evicted (``POSIX_FADV_DONTNEED``) before the run and after each
   read; the mode used is recorded (``cold_read_mode``).
@@ -404,10 +404,10 @@ def host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
     O_DIRECT read can land in it); in pinned memory with ``pin`` (CUDA).
 
     Otherwise private anonymous memory on 2 MB boundaries, advised to transparent huge pages (used where the kernel
-    allows ``madvise``; a no-op elsewhere) and touched at once (no page faults on the hot path). Measured on the
-    reference VM: streaming reads of expert records from 4 KB-page buffers took 1.2-1.7 ms per 8 records, differing
-    by buffer and by process, against 1.03-1.06 ms from huge-page buffers in every buffer (docs/reference.md): with
-    4 KB pages a run's own cache memory set its expert compute speed, which pairing cannot remove."""
+    allows ``madvise``; a no-op elsewhere) and touched at once (no page faults on the hot path). On the reference
+    VM, streaming reads of expert records from 4 KB-page buffers were slower than from huge-page buffers and their
+    speed differed by buffer and by process: with 4 KB pages a run's own cache memory set its expert compute speed,
+    which pairing cannot remove."""
     if pin:
         base = torch.empty(nbytes + mmap.PAGESIZE, dtype=torch.uint8).pin_memory()
         off = -base.data_ptr() % mmap.PAGESIZE

@@ -1,6 +1,6 @@
 """Size a run before launching it: per rule, the jobs, tokens, storage and GPU-hours a profile needs.
 
-``specprefetch estimate-resources --config config/paper.yaml`` prints the table the README's cluster section
+``specprefetch estimate-resources --config config/paper.yaml`` prints the table docs/cluster.md's sizing section
 shows. Storage is exact arithmetic on the trace contract (bytes per token per MoE layer from the config's hidden
 size, expert count, top-K and dtypes) times a token count; the token count is measured where a trace of the
 profile already exists under ``results/traces`` and estimated otherwise (samples x tokens per sample, both
