@@ -54,7 +54,9 @@ def test_numbers_from_the_smoke_golden_trace_to_their_cells(tmp_path: Path) -> N
     keys = {n.key for n in numbers}
     assert {"table4.specprefetch.gain", "table4.off.throughput", "fig4.profiled_m_max", "fig6.both.gain",
             "table1.deepseek-vl2-tiny.specprefetch.recall_at_k", "table3.deepseek-vl2-tiny.specprefetch"} <= keys
-    assert "table5.m_max" in keys and "fig5.slow_ufs.gain" in keys and "table5.specprefetch.gain_slow" in keys
+    # one budget for every storage, or each storage its own (as the profiled window rule gives on the smoke run)
+    assert "table5.m_max" in keys or {"table5.m_max.nvme_cold", "table5.m_max.slow_ufs"} <= keys
+    assert "fig5.slow_ufs.gain" in keys and "table5.specprefetch.gain_slow" in keys
     assert _check_traces(numbers, tables) >= 30
     # what is not there is listed, never invented
     assert "comparison.json" in missing and "results/runs.csv" in missing and "results/window.csv" in missing
