@@ -517,3 +517,12 @@ def test_sizing_matches_a_real_trace_and_plans_the_paper_profile(smoke_cfg, mode
     rows = {r["rule"]: r for r in estimate(paper)}
     assert rows["extract_traces"]["jobs"] == 10 * paper["traces"]["scatter"]  # online training: no corpus traces
     assert rows["extract_traces"]["storage_gb"] > 100 and rows["train_predictor"]["gpu_hours"] > 1
+    # one train_predictor job per (model, method, seed), a training-free method once: what the DAG plans
+    from specprefetch.config import LEARNED_METHODS
+    seeded = {**smoke_cfg, "predictors": {**smoke_cfg["predictors"], "seeds": 3}}
+    methods = seeded["predictors"]["methods"]
+    n_learned = sum(m in LEARNED_METHODS for m in methods)
+    one, three = ({r["rule"]: r for r in estimate(c)}["train_predictor"]
+                  for c in ({**seeded, "predictors": {**seeded["predictors"], "seeds": 1}}, seeded))
+    assert three["jobs"] == len(seeded["models"]) * (len(methods) + 2 * n_learned)
+    assert n_learned and three["tokens"] == 3 * one["tokens"] and "3 seed(s)" in three["note"]

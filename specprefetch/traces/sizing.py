@@ -122,6 +122,8 @@ def estimate(cfg: Mapping[str, Any], results: Path | None = None, samples: Mappi
     scatter = int(cfg["traces"]["scatter"])
     methods = list(cfg["predictors"]["methods"])
     learned = [m for m in methods if m in LEARNED_METHODS]
+    seeds = int(cfg["predictors"].get("seeds", 1))  # the schema checked it (an integer >= 1)
+    fits = len(learned) * seeds  # trainings of a learned method, per model
     epochs = float(cfg["predictors"]["training"]["epochs"])
     gpu = cfg["profile"] == "paper"
     corpus = [s for s in sets if s.workload == "corpus"]
@@ -134,15 +136,15 @@ def estimate(cfg: Mapping[str, Any], results: Path | None = None, samples: Mappi
          "note": f"{scatter} shard(s) per trace set, forward passes at {extract_tokens_per_s:.0f} tok/s per GPU; "
                  "plus a gathered copy of each set read whole (the corpus when training from traces, the "
                  "simulator's workloads)"},
-        {"rule": "train_predictor", "jobs": len(cfg["models"]) * len(methods),
-         "tokens": int(sum(corpus_tokens.values()) * epochs * len(learned)), "storage_gb": 0.0,
-         "gpu_hours": (sum(corpus_tokens.values()) * epochs * len(learned) / extract_tokens_per_s / 3600 if online
-                       else sum(s.bytes for s in corpus) * epochs * len(learned) / read_bytes_per_s / 3600)
+        {"rule": "train_predictor", "jobs": len(cfg["models"]) * (len(methods) - len(learned) + fits),
+         "tokens": int(sum(corpus_tokens.values()) * epochs * fits), "storage_gb": 0.0,
+         "gpu_hours": (sum(corpus_tokens.values()) * epochs * fits / extract_tokens_per_s / 3600 if online
+                       else sum(s.bytes for s in corpus) * epochs * fits / read_bytes_per_s / 3600)
          if gpu else 0.0,
-         "note": (f"online: {len(learned)} learned methods x {epochs:g} epoch(s) of corpus forward passes through the "
-                  f"frozen model (no corpus traces stored)" if online else
-                  f"{len(learned)} learned methods x {epochs:g} epoch(s) over the corpus traces, bound by reading "
-                  f"them at {read_bytes_per_s / 1e9:.1f} GB/s")},
+         "note": (f"online: {len(learned)} learned methods x {seeds} seed(s) x {epochs:g} epoch(s) of corpus forward "
+                  f"passes through the frozen model (no corpus traces stored)" if online else
+                  f"{len(learned)} learned methods x {seeds} seed(s) x {epochs:g} epoch(s) over the corpus traces, "
+                  f"bound by reading them at {read_bytes_per_s / 1e9:.1f} GB/s")},
         {"rule": "evaluate_recall", "jobs": len(evals) * scatter, "tokens": sum(s.tokens for s in evals),
          "storage_gb": 0.0,
          "gpu_hours": sum(s.bytes for s in evals) / read_bytes_per_s / 3600 if gpu else 0.0,
