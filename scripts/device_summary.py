@@ -20,9 +20,8 @@ import pandas as pd
 
 from specprefetch.metrics import bootstrap_ci
 from specprefetch.render.data import paired_gains
+from specprefetch.render.style import POLICY_ORDER
 from specprefetch.runtime.bench import RunConfig, parse_layer_budgets
-
-POLICIES = ["off", "pred0", "specprefetch", "naive", "fate", "resident"]
 
 
 def _first(*paths: Path) -> Path | None:
@@ -55,7 +54,7 @@ def policy_table(runs: pd.DataFrame, path: Path) -> str:
                    "bound tok/s (share) | bound, own compute (share) |")
         out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
         keys = ["policy", "m_max", "compute_opt"] + (["layer_m_max"] if "layer_m_max" in sub else [])
-        order = {p: i for i, p in enumerate(POLICIES)}
+        order = {p: i for i, p in enumerate(POLICY_ORDER)}
         for key, r in sorted(sub.groupby(keys, sort=False, dropna=False), key=lambda kv: order.get(kv[0][0], 99)):
             pol, m, opt = key[:3]
             layers = key[3] if len(key) > 3 and isinstance(key[3], str) else ""
