@@ -148,7 +148,8 @@ def test_evaluate_recall_outputs(setup: dict) -> None:
     cfg, root = setup["cfg"], setup["root"]
     out = root / "recall" / "gsm8k.csv"
     df = evaluate_recall(cfg, MODEL, "gsm8k", setup["trace"], setup["dirs"], out)
-    assert list(pd.read_csv(out).columns) == ["model", "workload", "method", "M", "expert_recall", "n_tokens"]
+    assert list(pd.read_csv(out).columns) == ["model", "workload", "method", "seed", "M", "expert_recall",
+                                              "n_tokens"]
     budgets = budgets_for(cfg, MODEL)
     assert budgets == [2, 4, 6]
     assert len(df) == len(setup["dirs"]) * len(budgets)
@@ -160,7 +161,7 @@ def test_evaluate_recall_outputs(setup: dict) -> None:
     for m in setup["dirs"]:
         assert r[m, 2] <= r[m, 4] <= r[m, 6] + 1e-12  # nested candidate sets
     layers = pd.read_csv(per_layer_path(out))
-    assert list(layers.columns) == ["model", "workload", "method", "M", "layer", "expert_recall"]
+    assert list(layers.columns) == ["model", "workload", "method", "seed", "M", "layer", "expert_recall"]
     assert sorted(layers["layer"].unique()) == [1, 2]
     mean = layers.groupby(["method", "M"])["expert_recall"].mean()
     for (m, M), v in mean.items():
