@@ -29,6 +29,7 @@ from typing import Any, TypeVar, overload
 from specprefetch.io import SpecPrefetchError
 
 ENTRY_POINT_GROUP = "specprefetch.predictors"
+T = TypeVar("T")
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")  # a method name is a wildcard value and a directory name
 
 
@@ -236,11 +237,15 @@ def method_names() -> tuple[str, ...]:
     return _cached("method_names", lambda: (*(m.name for m in BUILTIN_METHODS), *_plugin_names()))
 
 
-def method(name: str) -> Method:
-    table = methods()
+def _lookup(table: Mapping[str, T], name: str, what: str) -> T:
+    """``table[name]``, or one line naming the unknown name and the known ones."""
     if name not in table:
-        raise UnknownName(f"unknown predictor method {name!r}; known: {', '.join(table)}")
+        raise UnknownName(f"unknown {what} {name!r}; known: {', '.join(table)}")
     return table[name]
+
+
+def method(name: str) -> Method:
+    return _lookup(methods(), name, "predictor method")
 
 
 def is_plugin(name: str) -> bool:
@@ -261,10 +266,7 @@ def policies() -> dict[str, Policy]:
 
 
 def policy(name: str) -> Policy:
-    table = policies()
-    if name not in table:
-        raise UnknownName(f"unknown runtime policy {name!r}; known: {', '.join(table)}")
-    return table[name]
+    return _lookup(policies(), name, "runtime policy")
 
 
 def policy_label(name: str) -> str:
@@ -299,10 +301,7 @@ def storages() -> dict[str, Storage]:
 
 
 def storage(name: str) -> Storage:
-    table = storages()
-    if name not in table:
-        raise UnknownName(f"unknown storage {name!r}; known: {', '.join(table)}")
-    return table[name]
+    return _lookup(storages(), name, "storage")
 
 
 def storage_order() -> tuple[str, ...]:
@@ -311,7 +310,6 @@ def storage_order() -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------------------------ live views
-T = TypeVar("T")
 
 
 class NameView(Sequence[str]):
@@ -358,10 +356,7 @@ class TableView(Mapping[str, T]):
         self._what = what
 
     def __getitem__(self, name: str) -> T:
-        table = self._build()
-        if name not in table:
-            raise UnknownName(f"unknown {self._what} {name!r}; known: {', '.join(table)}")
-        return table[name]
+        return _lookup(self._build(), name, self._what)
 
     def __len__(self) -> int:
         return len(self._build())
