@@ -58,12 +58,12 @@ def adapter(d: int, n: int, r: int, n_layers: int = 4):
 
 
 def control_path_us(d: int, n: int, r: int, m_max: int, reps: int) -> dict[str, tuple[float, float, float]]:
-    from specprefetch.runtime.cache import ExpertCache
-    from specprefetch.runtime.engine import _LayerCompute
-    from specprefetch.runtime.layer import LayerLoop
-    from specprefetch.runtime.priority import PredictorPriority, select_prefetch
-    from specprefetch.runtime.timeline import LayerEvent
-    from specprefetch.runtime.transfer import TransferEngine
+    from specprefetch.runtime.core.cache import ExpertCache
+    from specprefetch.runtime.core.engine import _LayerCompute
+    from specprefetch.runtime.core.layer import LayerLoop
+    from specprefetch.runtime.core.priority import PredictorPriority, select_prefetch
+    from specprefetch.runtime.core.timeline import LayerEvent
+    from specprefetch.runtime.core.transfer import TransferEngine
 
     pred = adapter(d, n, r)
     prov = PredictorPriority(pred)

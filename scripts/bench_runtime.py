@@ -94,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from specprefetch.config import section_defaults
-    from specprefetch.runtime.decode import Prompt, greedy_generate, prompts_from_workload
-    from specprefetch.runtime.priority import provider_factories
-    from specprefetch.runtime.session import Harness
-    from specprefetch.runtime.store import ExpertStore, build_expert_store
+    from specprefetch.runtime.core.priority import provider_factories
+    from specprefetch.runtime.core.store import ExpertStore, build_expert_store
+    from specprefetch.runtime.measurement.decode import Prompt, greedy_generate, prompts_from_workload
+    from specprefetch.runtime.measurement.session import Harness
     from specprefetch.stages.common import parse_predictor_args
 
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_runtime_"))

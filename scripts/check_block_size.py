@@ -15,7 +15,7 @@ repeats, as the tables), and writes them as JSON with ``--out``. Needs the DAG's
 checkout whose ``results/`` holds a built store, a window profile and the trained predictors: ``snakemake --cores
 all paper_tables`` or the rules up to ``profile_window``), found where the pipeline puts them
 (:class:`specprefetch.workflow.Pipeline`). The budget is the window profile's M_max for the storage
-(:func:`specprefetch.runtime.budget.storage_budgets`) unless ``--m-max`` is given.
+(:func:`specprefetch.runtime.core.budget.storage_budgets`) unless ``--m-max`` is given.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from specprefetch.config import load_config
     from specprefetch.io import SpecPrefetchError
     from specprefetch.metrics import bootstrap_ci
-    from specprefetch.runtime.budget import budget_storages, storage_budgets
+    from specprefetch.runtime.core.budget import budget_storages, storage_budgets
     from specprefetch.stages.device import _harness, _setup, _window_profile
     from specprefetch.workflow import Pipeline
 

@@ -64,13 +64,13 @@ def main() -> int:
     from specprefetch.io import write_json_atomic
     from specprefetch.models.routing import discover_routing
     from specprefetch.predictors.base import PredictorDims, build_predictor
-    from specprefetch.runtime.bench import bench_runtime
-    from specprefetch.runtime.decode import Prompt
-    from specprefetch.runtime.paper_scale import ExpertScale
-    from specprefetch.runtime.priority import PredictorPriority, provider_factories
-    from specprefetch.runtime.session import Harness
-    from specprefetch.runtime.store import ExpertStore, build_expert_store
-    from specprefetch.runtime.window import profile_window
+    from specprefetch.runtime.core.paper_scale import ExpertScale
+    from specprefetch.runtime.core.priority import PredictorPriority, provider_factories
+    from specprefetch.runtime.core.store import ExpertStore, build_expert_store
+    from specprefetch.runtime.measurement.bench import bench_runtime
+    from specprefetch.runtime.measurement.decode import Prompt
+    from specprefetch.runtime.measurement.session import Harness
+    from specprefetch.runtime.measurement.window import profile_window
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu", file=sys.stderr)

@@ -21,7 +21,7 @@ import pandas as pd
 from specprefetch.metrics import bootstrap_ci
 from specprefetch.render.data import paired_gains
 from specprefetch.render.style import POLICY_ORDER
-from specprefetch.runtime.bench import RunConfig, parse_layer_budgets
+from specprefetch.runtime.measurement.bench import RunConfig, parse_layer_budgets
 
 
 def _first(*paths: Path) -> Path | None:

@@ -136,7 +136,7 @@ BUILTIN_STORAGES: tuple[Storage, ...] = (
 # Workload generators (workloads.<w>.generator) and the training corpus' offline sources (train_corpus.mixture).
 WORKLOAD_GENERATORS = ("gsm8k_synth", "humaneval", "ocr_synth", "chartqa_synth", "hallusion_synth", "hub", "local")
 CORPUS_SOURCES = ("gsm8k_synth", "ocr_synth", "chartqa_synth", "hallusion_synth", "stdlib_code", "stdlib_docs")
-# Simulated platforms (device.simulator.platforms); their numbers are runtime.platforms.PLATFORMS.
+# Simulated platforms (device.simulator.platforms); their numbers are runtime.simulation.platforms.PLATFORMS.
 PLATFORMS = ("snapdragon_8_elite",)
 
 

@@ -57,6 +57,37 @@ def test_imports_run_downward() -> None:
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
 
 
+# Inside the runtime, its groups (ARCHITECTURE.md): the lm-eval client over the simulation over the measurement over
+# the core. The group package itself (``runtime``) is the lowest: it only re-exports the core lazily.
+RUNTIME_GROUPS = ["lm_eval_model", "simulation", "measurement", "core"]
+
+
+def _runtime_group(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["specprefetch", "runtime"]:
+        return None
+    return RUNTIME_GROUPS.index(parts[2]) if len(parts) > 2 else len(RUNTIME_GROUPS)
+
+
+def test_every_runtime_module_is_in_a_group() -> None:
+    loose = sorted(m for m in _modules() if m.startswith("specprefetch.runtime.")
+                   and m.split(".")[2] not in RUNTIME_GROUPS)
+    assert not loose, f"put these in a runtime group (core, measurement, simulation) or add it here: {loose}"
+
+
+def test_runtime_groups_import_downward() -> None:
+    bad = []
+    for module, path in _modules().items():
+        mine = _runtime_group(module)
+        if mine is None:
+            continue
+        for line, target, _ in _imports(path):
+            theirs = _runtime_group(target)
+            if theirs is not None and theirs < mine:
+                bad.append(f"{path.relative_to(REPO)}:{line}: {module} imports {target}")
+    assert not bad, "imports against the runtime's groups:\n" + "\n".join(bad)
+
+
 def test_no_module_circles() -> None:
     modules = _modules()
     graph: dict[str, set[str]] = defaultdict(set)
@@ -107,7 +138,9 @@ def test_only_the_cli_imports_stages_and_nothing_imports_the_cli() -> None:
 
 def test_the_checker_catches_an_upward_import(tmp_path: Path) -> None:
     """The rule is not vacuous: an import of the runtime from the metrics is an upward one."""
-    assert _layer("specprefetch.runtime.engine") < _layer("specprefetch.metrics")
+    assert _layer("specprefetch.runtime.core.engine") < _layer("specprefetch.metrics")
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from specprefetch.runtime.engine import OffloadedRuntime\n")
-    assert _imports(probe) == [(2, "specprefetch.runtime.engine", ["OffloadedRuntime"])]
+    probe.write_text("def f():\n    from specprefetch.runtime.core.engine import OffloadedRuntime\n")
+    assert _imports(probe) == [(2, "specprefetch.runtime.core.engine", ["OffloadedRuntime"])]
+    # and inside the runtime, the core importing the simulator is an upward one
+    assert _runtime_group("specprefetch.runtime.simulation.simrun") < _runtime_group("specprefetch.runtime.core.layer")

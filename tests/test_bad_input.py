@@ -68,7 +68,7 @@ def _write_predictor(out: Path, model: str = MODEL) -> Path:
 def _write_store(out: Path) -> Path:
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    from specprefetch.runtime.store import build_expert_store
+    from specprefetch.runtime.core.store import build_expert_store
 
     torch.manual_seed(1)
     cfg = DeepseekV2Config(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
@@ -105,7 +105,7 @@ def _write_external(out: Path) -> Path:
 
 def _write_runs(out: Path) -> Path:
     from specprefetch.contracts import RUN_COLUMNS
-    from specprefetch.runtime.bench import write_runs_csv
+    from specprefetch.runtime.measurement.bench import write_runs_csv
 
     write_runs_csv(out, [{**{c: 0 for c in RUN_COLUMNS}, **EXTERNAL_ROW, "platform": "local-cpu",
                           "source": "measured", "storage": "nvme_cold"}])
@@ -575,7 +575,7 @@ def test_manifest_symlink_escape_is_refused(tmp_path: Path) -> None:
 
 
 def test_store_manifest_naming_outside_files_is_refused(good: dict[str, Path], tmp_path: Path) -> None:
-    from specprefetch.runtime.store import ExpertStore
+    from specprefetch.runtime.core.store import ExpertStore
 
     store = _copy(good["store"], tmp_path / "store")
     _edit_json(store / "manifest.json", lambda m: m["layers"][0].update(file="../../etc/passwd"))
@@ -590,7 +590,7 @@ def test_utf8_bom_is_accepted(good: dict[str, Path], tmp_path: Path, capsys: pyt
     p = tmp_path / "bom.yaml"
     p.write_bytes(b"\xef\xbb\xbf" + good["config"].read_bytes())
     assert _run(["validate-config", "--config", str(p)], capsys)[0] == 0
-    from specprefetch.runtime.external import read_external_log
+    from specprefetch.runtime.measurement.external import read_external_log
 
     e = tmp_path / "bom.csv"
     e.write_bytes(b"\xef\xbb\xbf" + good["external"].read_bytes())
@@ -633,7 +633,7 @@ _FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCh
 @given(row=st.dictionaries(st.sampled_from([*EXTERNAL_ROW, "ready_recall", "stall_ms", "hits", "notes", "x"]),
                            _json_values, max_size=12))
 def test_external_log_rows_accept_or_name_the_line(row: dict[str, Any]) -> None:
-    from specprefetch.runtime.external import ExternalLogError, validate_row
+    from specprefetch.runtime.measurement.external import ExternalLogError, validate_row
 
     try:
         out = validate_row(row, "log.jsonl:7")
@@ -646,7 +646,7 @@ def test_external_log_rows_accept_or_name_the_line(row: dict[str, Any]) -> None:
 @_FAST
 @given(text=st.text(max_size=200), suffix=st.sampled_from([".csv", ".jsonl"]))
 def test_external_log_files_accept_or_name_the_file(tmp_path: Path, text: str, suffix: str) -> None:
-    from specprefetch.runtime.external import ExternalLogError, read_external_log
+    from specprefetch.runtime.measurement.external import ExternalLogError, read_external_log
 
     p = tmp_path / f"log{suffix}"
     p.write_bytes(text.encode("utf-8", "replace"))
@@ -679,7 +679,7 @@ def test_trace_manifests_accept_or_name_the_file(good: dict[str, Path], tmp_path
                            _json_values, max_size=9))
 def test_store_manifests_accept_or_name_the_file(good: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
                                                  doc: dict[str, Any]) -> None:
-    from specprefetch.runtime.store import ExpertStore
+    from specprefetch.runtime.core.store import ExpertStore
 
     d = tmp_path_factory.mktemp("s")
     real = json.loads((good["store"] / "manifest.json").read_text())

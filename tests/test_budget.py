@@ -1,4 +1,4 @@
-"""The budget module (runtime/budget.py): auto vs a configured M_max, the window rule, per-storage and per-layer
+"""The budget module (runtime/core/budget.py): auto vs a configured M_max, the window rule, per-storage and per-layer
 budgets, which policies have one, and the simulated platform's budget from the same rule."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from specprefetch.runtime.budget import (
+from specprefetch.runtime.core.budget import (
     BudgetError,
     RunBudget,
     budget_storages,
@@ -88,7 +88,7 @@ def test_window_budgets_per_storage_and_layer() -> None:
 def test_policies_without_a_budget_get_zero() -> None:
     """Only policies that select at M_max have a budget (the Policy table's flag); the others run at 0 with no
     per-layer budgets; per-layer budgets equal to M_max in every layer prefetched into are the one budget."""
-    from specprefetch.runtime.bench import RunConfig
+    from specprefetch.runtime.measurement.bench import RunConfig
 
     assert [p for p in ("off", "pred0", "specprefetch", "naive", "fate", "resident") if has_budget(p)] == [
         "pred0", "specprefetch", "naive", "fate"]
@@ -103,7 +103,7 @@ def test_policies_without_a_budget_get_zero() -> None:
 
 
 def test_layer_budget_in_runtime_options() -> None:
-    from specprefetch.runtime.engine import RuntimeOptions
+    from specprefetch.runtime.core.engine import RuntimeOptions
 
     assert layer_budget(4, (4, 1, 2), 2) == 2 and layer_budget(4, (), 2) == 4 and layer_budget(4, (4, 1), 5) == 4
     assert RunBudget(4, (4, 1, 2)).of(1) == 1
@@ -133,7 +133,7 @@ def test_lm_eval_default_budget(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ simulated platform
 def _phone() -> tuple[dict[str, Any], Any]:
-    from specprefetch.runtime.platforms import compute_profile_of, platform_profile
+    from specprefetch.runtime.simulation.platforms import compute_profile_of, platform_profile
 
     p = platform_profile("snapdragon_8_elite")
     return p, compute_profile_of(p, 11)
@@ -142,9 +142,9 @@ def _phone() -> tuple[dict[str, Any], Any]:
 def test_platform_window_is_the_simulated_window() -> None:
     """The phone's window is what window profiling would measure in the simulator: t_exec(l+1) - t_pred(l) - stall
     of a PRED0 run on its NVMe, equal in every layer (10.66 ms: 48 % of 266.5 ms over 12 decoder layers)."""
-    from specprefetch.runtime.platforms import nvme_profile, platform_windows_ms
-    from specprefetch.runtime.simulator import SimSequence, SimStep, simulate
-    from specprefetch.runtime.window import per_layer_windows
+    from specprefetch.runtime.measurement.window import per_layer_windows
+    from specprefetch.runtime.simulation.platforms import nvme_profile, platform_windows_ms
+    from specprefetch.runtime.simulation.simulator import SimSequence, SimStep, simulate
 
     p, comp = _phone()
     n, k, L = 64, 6, 11
@@ -166,7 +166,7 @@ def test_platform_window_is_the_simulated_window() -> None:
 def test_platform_budget_from_the_window_rule_or_the_config() -> None:
     """``device.simulator.m_max``: the configured integer on every storage, or auto -- per storage, the median window
     over the device model's per-expert time (latency + 1.94 MB / bandwidth)."""
-    from specprefetch.runtime.platforms import platform_m_max
+    from specprefetch.runtime.simulation.platforms import platform_m_max
 
     p, comp = _phone()
     s = _settings(simulator={"m_max": 8}, storages=["nvme_cold", "ram", "nvme", "ufs"])
@@ -187,7 +187,7 @@ def test_profiles_keep_the_papers_phone_budget() -> None:
     """The paper's phone runs at M_max = 8 (Table 5); every profile states it as a config override (the schema's
     default is the window rule)."""
     from specprefetch.config import REPO_ROOT, load_config, section_defaults
-    from specprefetch.runtime.settings import device_settings
+    from specprefetch.runtime.core.settings import device_settings
 
     assert section_defaults("device")["simulator"]["m_max"] == "auto"
     for name in ("config", "paper", "smoke"):

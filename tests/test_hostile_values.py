@@ -385,7 +385,7 @@ def test_trace_stats_says_it_checks_sizes_only(good: dict[str, Path], tmp_path: 
 
 def test_store_values_are_one_line(good: dict[str, Path], tmp_path: Path) -> None:
     """A store manifest layer without bytes, with bytes 'lots' or negative, a float count, a symlink-loop layer."""
-    from specprefetch.runtime.store import ExpertStore
+    from specprefetch.runtime.core.store import ExpertStore
 
     def broken(name: str, edit: Callable[[Path], None]) -> str:
         s = _copy(good["store"], tmp_path / name)
@@ -539,7 +539,7 @@ def test_trace_manifest_values(good: dict[str, Path], tmp_path_factory: pytest.T
 def test_store_manifest_values(good: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, key: str,
                                value: Any) -> None:
     """Expert-store manifest: a hostile size or count is one StoreError line naming manifest.json."""
-    from specprefetch.runtime.store import ExpertStore, StoreError
+    from specprefetch.runtime.core.store import ExpertStore, StoreError
 
     s = _copy(good["store"], tmp_path_factory.mktemp("s") / "store")
     man = json.loads((s / "manifest.json").read_text())
@@ -587,7 +587,7 @@ def test_tensor_values(shape: list[int], where: int, bad: float | None, dtype: t
 def test_external_log_names(text: str, col: str) -> None:
     """External log names: text with a control character is one line naming file:line and column; other text is
     accepted as is (LaTeX specials are escaped when rendered)."""
-    from specprefetch.runtime.external import ExternalLogError, validate_row
+    from specprefetch.runtime.measurement.external import ExternalLogError, validate_row
 
     raw = {**EXTERNAL_ROW, col: text}
     has_control = any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 or c in "\u2028\u2029" for c in text)

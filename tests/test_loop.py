@@ -1,4 +1,5 @@
-"""The one per-layer loop (runtime.layer.LayerLoop) over the declared I/O backend (runtime.iobackend.IOBackend).
+"""The one per-layer loop (runtime.core.layer.LayerLoop) over the declared I/O backend
+(runtime.core.iobackend.IOBackend).
 
 Both backends -- the threaded TransferEngine on the wall clock and the simulator's discrete-event _SimIO -- satisfy
 the Protocol and behave alike on the operations the loop uses; the loop makes the same decisions over either; and
@@ -17,11 +18,15 @@ import pytest
 import torch
 
 from specprefetch.contracts import POLICIES, POLICY
-from specprefetch.runtime.cache import ExpertCache, Key, SlotPool
-from specprefetch.runtime.iobackend import IOBackend, TransferLike
-from specprefetch.runtime.layer import LayerLoop
-from specprefetch.runtime.priority import PreviousTokenPriority, PriorityProvider, builtin_provider
-from specprefetch.runtime.simulator import (
+from specprefetch.runtime.core.cache import ExpertCache, Key, SlotPool
+from specprefetch.runtime.core.iobackend import IOBackend, TransferLike
+from specprefetch.runtime.core.layer import LayerLoop
+from specprefetch.runtime.core.priority import PreviousTokenPriority, PriorityProvider, builtin_provider
+from specprefetch.runtime.core.storage import ExpertReader, StorageProfile, make_profile
+from specprefetch.runtime.core.store import ExpertStore, build_expert_store
+from specprefetch.runtime.core.timeline import LayerEvent, routing_rows
+from specprefetch.runtime.core.transfer import TransferEngine
+from specprefetch.runtime.simulation.simulator import (
     ComputeProfile,
     ReplayPriority,
     SimSequence,
@@ -31,10 +36,6 @@ from specprefetch.runtime.simulator import (
     sequences_from_record,
     simulate,
 )
-from specprefetch.runtime.storage import ExpertReader, StorageProfile, make_profile
-from specprefetch.runtime.store import ExpertStore, build_expert_store
-from specprefetch.runtime.timeline import LayerEvent, routing_rows
-from specprefetch.runtime.transfer import TransferEngine
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +268,7 @@ def test_simulator_preloads_by_the_policy_table() -> None:
 def test_one_replay_input_for_events_and_records(store: ExpertStore, tmp_path: Path) -> None:
     """A runtime's events (routing_rows) and the benchmark's routing record of the same run are the same
     simulator sequences (one function reads both)."""
-    from specprefetch.runtime.bench import recorded_routing
+    from specprefetch.runtime.measurement.bench import recorded_routing
 
     gen = _engine(store, 7)
     eng = next(gen)

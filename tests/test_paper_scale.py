@@ -1,4 +1,4 @@
-"""Paper-scale experts: widened stand-in experts in the real model's shape and 4-bit store (runtime/paper_scale.py).
+"""Paper-scale experts: widened stand-in experts in the real model's shape, 4-bit store (runtime/core/paper_scale.py).
 
 The added units must contribute exactly zero, the store must carry the real bytes, and every offloaded run must
 decode the tokens of the plain model's greedy generate() on the same store.
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from specprefetch.runtime.paper_scale import ExpertScale, ResidentExperts, WideMLP, scale_of, widen
-from specprefetch.runtime.store import ExpertStore, RecordLayout, StoreError, build_expert_store
+from specprefetch.runtime.core.paper_scale import ExpertScale, ResidentExperts, WideMLP, scale_of, widen
+from specprefetch.runtime.core.store import ExpertStore, RecordLayout, StoreError, build_expert_store
 
 VOCAB = 96
 
@@ -72,9 +72,9 @@ def test_offloaded_runs_decode_the_plain_models_tokens(tmp_path: Path, fmt: str)
     model's greedy generate() over the same records (ResidentExperts), and the loads move the widened bytes."""
     from specprefetch.config import section_defaults
     from specprefetch.models.routing import discover_routing
-    from specprefetch.runtime.decode import Prompt
-    from specprefetch.runtime.priority import provider_factories
-    from specprefetch.runtime.session import Harness
+    from specprefetch.runtime.core.priority import provider_factories
+    from specprefetch.runtime.measurement.decode import Prompt
+    from specprefetch.runtime.measurement.session import Harness
 
     model = _deepseek(64, 64)
     spec = discover_routing(model)

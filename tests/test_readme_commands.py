@@ -313,7 +313,7 @@ def offloaded_artefacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
     from specprefetch.data.lm_eval_tasks import write_lm_eval_task
     from specprefetch.models import load_bundle
     from specprefetch.models.standins import build_stand_in, save_stand_in
-    from specprefetch.runtime.store import build_expert_store
+    from specprefetch.runtime.core.store import build_expert_store
     from tests.conftest import build_tokenizer, write_tiny_workload
 
     root = tmp_path_factory.mktemp("lm_eval_cli")

@@ -122,7 +122,7 @@ def test_schema_enums_are_the_registry() -> None:
     from specprefetch.data.generators import GENERATORS
     from specprefetch.data.workloads import SYNTH_GENERATORS
     from specprefetch.predictors.base import predictor_class
-    from specprefetch.runtime.platforms import PLATFORMS
+    from specprefetch.runtime.simulation.platforms import PLATFORMS
 
     assert tuple(PLATFORMS) == registry.PLATFORMS
     assert set(SYNTH_GENERATORS) <= set(registry.WORKLOAD_GENERATORS)
@@ -147,7 +147,7 @@ def test_an_unknown_name_is_one_line(tmp_path: Path) -> None:
     from specprefetch.contracts import POLICY, check_csv
     from specprefetch.predictors.base import predictor_class
     from specprefetch.render.style import POLICY_LABELS, color, method_label, storage_label
-    from specprefetch.runtime.storage import make_profile
+    from specprefetch.runtime.core.storage import make_profile
 
     for call in (lambda: color("nope"), lambda: method_label("nope"), lambda: storage_label("nope"),
                  lambda: POLICY_LABELS["nope"], lambda: POLICY["nope"], lambda: make_profile("nope", {}),
@@ -245,9 +245,9 @@ def test_a_plugin_runtime_policy_prefetches(plugin: Path, tmp_path: Path) -> Non
     from specprefetch.contracts import POLICY
     from specprefetch.predictors import build_predictor
     from specprefetch.predictors.data import iter_trace_batches
-    from specprefetch.runtime.priority import PredictorPriority
-    from specprefetch.runtime.simulator import ComputeProfile, sequences_from_trace, simulate
-    from specprefetch.runtime.storage import StorageProfile
+    from specprefetch.runtime.core.priority import PredictorPriority
+    from specprefetch.runtime.core.storage import StorageProfile
+    from specprefetch.runtime.simulation.simulator import ComputeProfile, sequences_from_trace, simulate
     from specprefetch.traces.store import TraceReader
     from specprefetch.workflow import Pipeline
 
@@ -329,7 +329,7 @@ def test_a_storage_added_in_one_place_reaches_config_and_figure5(tmp_path: Path,
 
     from specprefetch.render.data import read_result_csv
     from specprefetch.render.figures import figure_storage
-    from specprefetch.runtime.storage import make_profile
+    from specprefetch.runtime.core.storage import make_profile
 
     emmc = registry.Storage("emmc", "eMMC", speed_rank=6, bandwidth_mbps=250.0, latency_ms=0.3)
     monkeypatch.setattr(registry, "BUILTIN_STORAGES", (*registry.BUILTIN_STORAGES, emmc))

@@ -17,12 +17,17 @@ import pytest
 import torch
 
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.cache import CacheError, ExpertCache
-from specprefetch.runtime.engine import POLICIES, OffloadedRuntime, OffloadError, RuntimeOptions
-from specprefetch.runtime.priority import PredictorPriority, PreviousTokenPriority, fate_from_model, select_prefetch
-from specprefetch.runtime.storage import ExpertReader, FaultInjector, make_profile
-from specprefetch.runtime.store import ExpertStore, StoreError, build_expert_store
-from specprefetch.runtime.timeline import LayerEvent, ready_recall_of, routing_rows, summarize
+from specprefetch.runtime.core.cache import CacheError, ExpertCache
+from specprefetch.runtime.core.engine import POLICIES, OffloadedRuntime, OffloadError, RuntimeOptions
+from specprefetch.runtime.core.priority import (
+    PredictorPriority,
+    PreviousTokenPriority,
+    fate_from_model,
+    select_prefetch,
+)
+from specprefetch.runtime.core.storage import ExpertReader, FaultInjector, make_profile
+from specprefetch.runtime.core.store import ExpertStore, StoreError, build_expert_store
+from specprefetch.runtime.core.timeline import LayerEvent, ready_recall_of, routing_rows, summarize
 
 VOCAB = 96
 
@@ -136,7 +141,7 @@ def test_store_layout_and_verification(setup: dict[str, Any]) -> None:
     m = store.manifest
     assert m["n_layers"] == setup["spec"].n_layers and m["n_experts"] == setup["spec"].n_experts
     assert store.record_bytes % 4096 == 0 and store.record_bytes >= store.layout.payload_bytes
-    blocks = __import__("specprefetch.runtime.store", fromlist=["find_moe_blocks"]).find_moe_blocks(setup["model"])
+    blocks = __import__("specprefetch.runtime.core.store", fromlist=["find_moe_blocks"]).find_moe_blocks(setup["model"])
     # a record is exactly the expert's weights
     for layer in (0, store.n_layers - 1):
         rec = torch.frombuffer(bytearray(next(iter(dict(store.read_all(layer)).values()))), dtype=torch.uint8)
@@ -202,7 +207,7 @@ def test_io_errors_are_retried_or_served_on_demand(setup: dict[str, Any]) -> Non
 
 
 def test_unreadable_expert_raises_never_wrong_output(setup: dict[str, Any]) -> None:
-    from specprefetch.runtime.storage import StorageError
+    from specprefetch.runtime.core.storage import StorageError
 
     faults = FaultInjector(fail_keys={(0, e) for e in range(setup["spec"].n_experts)})
     with pytest.raises(StorageError, match="could not be read"):
@@ -239,8 +244,8 @@ def test_prefill_loads_take_no_emulated_delay(setup: dict[str, Any]) -> None:
 
 
 def test_simulator_does_not_charge_prefill() -> None:
-    from specprefetch.runtime.simulator import ComputeProfile, SimSequence, SimStep, simulate
-    from specprefetch.runtime.storage import StorageProfile
+    from specprefetch.runtime.core.storage import StorageProfile
+    from specprefetch.runtime.simulation.simulator import ComputeProfile, SimSequence, SimStep, simulate
 
     prefill = SimStep(topk=[[[0, 1], [2, 3]], [[0, 1], [4, 5]]])  # two prompt tokens
     decode = SimStep(topk=[[[6, 7]], [[6, 7]]])
@@ -309,8 +314,8 @@ def test_cache_bookkeeping() -> None:
 @pytest.mark.parametrize("policy", ["off", "specprefetch", "naive", "fate", "pred0"])
 def test_simulator_matches_runtime_counters(setup: dict[str, Any], policy: str) -> None:
     """Deterministic case (one I/O worker, every transfer completes before the next layer): same counters."""
-    from specprefetch.runtime.simulator import ComputeProfile, sequences_from_record, simulate
-    from specprefetch.runtime.storage import StorageProfile
+    from specprefetch.runtime.core.storage import StorageProfile
+    from specprefetch.runtime.simulation.simulator import ComputeProfile, sequences_from_record, simulate
 
     k, n_layers = setup["spec"].top_k, setup["spec"].n_layers
     cap = k + 3
@@ -331,8 +336,8 @@ def test_simulator_matches_runtime_counters(setup: dict[str, Any], policy: str) 
 def test_per_layer_budgets_in_runtime_and_simulator(setup: dict[str, Any], policy: str) -> None:
     """``layer_m_max``: each layer's prefetches stay within its own budget (none into a layer of budget 0), the
     tokens are the plain model's, and the simulator, given the same budgets, makes the same decisions."""
-    from specprefetch.runtime.simulator import ComputeProfile, sequences_from_record, simulate
-    from specprefetch.runtime.storage import StorageProfile
+    from specprefetch.runtime.core.storage import StorageProfile
+    from specprefetch.runtime.simulation.simulator import ComputeProfile, sequences_from_record, simulate
 
     k, n_layers = setup["spec"].top_k, setup["spec"].n_layers
     budgets = tuple([3] + [(0, 1, 3)[layer % 3] for layer in range(1, n_layers)])
@@ -365,8 +370,8 @@ def test_run_timing_service_time_is_the_union_of_transfer_intervals() -> None:
     prefill transfers and uncharged ones are left out."""
     from types import SimpleNamespace
 
-    from specprefetch.runtime.bench import run_timing
-    from specprefetch.runtime.timeline import LayerEvent
+    from specprefetch.runtime.core.timeline import LayerEvent
+    from specprefetch.runtime.measurement.bench import run_timing
 
     def tr(step: int, a: float, b: float, charged: bool = True) -> Any:
         return SimpleNamespace(state="done", charged=charged, step=step, t_start=a, t_end=b)
@@ -389,8 +394,8 @@ def test_run_timing_service_time_is_the_union_of_transfer_intervals() -> None:
 
 def test_simulator_overlap_and_budget() -> None:
     """Timing logic on a scripted sequence: prefetching hides transfers inside the window, over-budget stalls."""
-    from specprefetch.runtime.simulator import ComputeProfile, SimSequence, SimStep, simulate
-    from specprefetch.runtime.storage import StorageProfile
+    from specprefetch.runtime.core.storage import StorageProfile
+    from specprefetch.runtime.simulation.simulator import ComputeProfile, SimSequence, SimStep, simulate
 
     n_layers, n, k = 3, 8, 2
     rng = torch.Generator().manual_seed(0)
@@ -435,7 +440,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 
 def test_external_log_is_validated_and_merged(tmp_path: Path) -> None:
-    from specprefetch.runtime.external import collect_device_benchmarks, read_external_log
+    from specprefetch.runtime.measurement.external import collect_device_benchmarks, read_external_log
 
     good = _write_csv(tmp_path / "phone.csv", _external_rows())
     rows = read_external_log(good)
@@ -456,7 +461,7 @@ def test_external_log_is_validated_and_merged(tmp_path: Path) -> None:
 ])
 def test_malformed_external_log_names_file_and_line(tmp_path: Path, bad: dict[str, Any], line: int,
                                                     what: str) -> None:
-    from specprefetch.runtime.external import ExternalLogError, read_external_log
+    from specprefetch.runtime.measurement.external import ExternalLogError, read_external_log
 
     rows = _external_rows()
     rows[1] = {**rows[1], **bad}
@@ -480,12 +485,12 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     from specprefetch.config import section_defaults
     from specprefetch.contracts import RUN_COLUMNS
     from specprefetch.models.routing import discover_routing
-    from specprefetch.runtime.bench import bench_runtime
-    from specprefetch.runtime.decode import Prompt
-    from specprefetch.runtime.priority import provider_factories
-    from specprefetch.runtime.session import Harness
-    from specprefetch.runtime.simrun import summarize_validation, validate_simulator
-    from specprefetch.runtime.window import profile_window
+    from specprefetch.runtime.core.priority import provider_factories
+    from specprefetch.runtime.measurement.bench import bench_runtime
+    from specprefetch.runtime.measurement.decode import Prompt
+    from specprefetch.runtime.measurement.session import Harness
+    from specprefetch.runtime.measurement.window import profile_window
+    from specprefetch.runtime.simulation.simrun import summarize_validation, validate_simulator
 
     model = tiny_deepseek()
     spec = discover_routing(model)
@@ -543,7 +548,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
                                                                                  "true")]["tokens_sha256"]
     assert len({(r["block"], r["run_order"]) for r in got}) == 6 + 4 + 4  # runs: main's, component's, slow_ufs's
     from specprefetch.contracts import ROUTING_FORMAT, load_tensor_tree
-    from specprefetch.runtime.simrun import check_routing_record
+    from specprefetch.runtime.simulation.simrun import check_routing_record
 
     record = load_tensor_tree(tmp_path / "r.safetensors", ROUTING_FORMAT, "routing record")
     check_routing_record(record, tmp_path / "r.safetensors", "tiny")
@@ -568,7 +573,7 @@ def test_widest_gain_ci_is_the_tables_ci_of_every_policy_gain_in_the_block() -> 
     """The adaptive-repeats criterion: the widest paired-bootstrap half-width over every configuration but
     all-resident against every OFF of the block, with the pair it belongs to."""
     from specprefetch.metrics import bootstrap_ci
-    from specprefetch.runtime.bench import RunConfig, widest_gain_ci
+    from specprefetch.runtime.measurement.bench import RunConfig, widest_gain_ci
 
     off, spec, fate, res = (RunConfig("main", p, "nvme_cold", 4) for p in ("off", "specprefetch", "fate", "resident"))
     tps = {off.signature: [10.0, 11.0, 9.0, 10.0], spec.signature: [13.0, 15.0, 11.0, 14.0],
@@ -589,10 +594,10 @@ def test_adaptive_repeats_go_on_until_the_gains_are_precise(tmp_path: Path, targ
     wider than ``target_ci_pp``, up to ``max_repeats``; every configuration keeps its pairs."""
     from specprefetch.config import section_defaults
     from specprefetch.models.routing import discover_routing
-    from specprefetch.runtime.bench import bench_runtime
-    from specprefetch.runtime.decode import Prompt
-    from specprefetch.runtime.priority import provider_factories
-    from specprefetch.runtime.session import Harness
+    from specprefetch.runtime.core.priority import provider_factories
+    from specprefetch.runtime.measurement.bench import bench_runtime
+    from specprefetch.runtime.measurement.decode import Prompt
+    from specprefetch.runtime.measurement.session import Harness
 
     model = tiny_deepseek()
     spec = discover_routing(model)
@@ -620,8 +625,8 @@ def test_blocks_measure_each_configuration_once_per_block() -> None:
     at most that many configurations, each block with its own OFF; per-layer budgets that differ from M_max add one
     configuration."""
     from specprefetch.config import REPO_ROOT, load_config
-    from specprefetch.runtime.bench import plan_experiments, storage_blocks
-    from specprefetch.runtime.settings import device_settings
+    from specprefetch.runtime.core.settings import device_settings
+    from specprefetch.runtime.measurement.bench import plan_experiments, storage_blocks
 
     s = device_settings(load_config(REPO_ROOT / "config" / "config.yaml"))
     plan = plan_experiments(s, 5, s["experiments"])
@@ -674,8 +679,8 @@ def test_lm_eval_scores_equal_plain_model(tmp_path: Path, tiny_tokenizer: Any) -
     from specprefetch.config import section_defaults
     from specprefetch.data.lm_eval_tasks import write_lm_eval_task
     from specprefetch.models.routing import discover_routing
+    from specprefetch.runtime.core.priority import provider_factories
     from specprefetch.runtime.lm_eval_model import evaluate_offloaded
-    from specprefetch.runtime.priority import provider_factories
     from tests.conftest import write_tiny_workload
 
     wdir = write_tiny_workload(tmp_path / "workloads" / "gsm8k", 3, 32, seed=4, split="test", benchmark="gsm8k")
@@ -718,7 +723,7 @@ def test_runtime_priorities_match_the_predictor(setup: dict[str, Any]) -> None:
 def test_bandwidth_model_and_profiles() -> None:
     """Emulated devices charge the real payload at the datasheet bandwidth; data phases are serialised, latencies
     overlap; a demand request overtakes the prefetches that have not started their data phase."""
-    from specprefetch.runtime.storage import BandwidthModel, StorageError
+    from specprefetch.runtime.core.storage import BandwidthModel, StorageError
 
     p = make_profile("slow_ufs", _device(), 1_000_000)
     assert p.charged_bytes == 1_000_000
@@ -763,7 +768,7 @@ def test_cold_reads_bypass_the_page_cache_or_fall_back(setup: dict[str, Any], mo
                                                         caplog: pytest.LogCaptureFixture) -> None:
     """nvme_cold reads with O_DIRECT into aligned buffers where the file system allows it, else evicts pages
     around each read with a logged warning; either way the bytes are the record's."""
-    from specprefetch.runtime.storage import host_buffer
+    from specprefetch.runtime.core.storage import host_buffer
 
     store = setup["store"]
     prof = make_profile("nvme_cold", _device(), store.layout.payload_bytes)
@@ -795,8 +800,8 @@ def test_direct_reads_land_in_shared_staging_buffers(setup: dict[str, Any]) -> N
     """A direct (O_DIRECT) load goes through the reader's staging buffers, then into the slot: the buffers are
     page-aligned and reused by every load and every engine (a new one only while all are taken), so no run reads into
     memory of its own; the slot holds the record's bytes, and transfers through an engine too."""
-    from specprefetch.runtime.cache import ExpertCache, SlotPool
-    from specprefetch.runtime.transfer import TransferEngine
+    from specprefetch.runtime.core.cache import ExpertCache, SlotPool
+    from specprefetch.runtime.core.transfer import TransferEngine
 
     store = setup["store"]
     reader = ExpertReader(store, make_profile("nvme_cold", _device(), store.layout.payload_bytes), verify=True)
@@ -831,8 +836,8 @@ def test_direct_reads_land_in_shared_staging_buffers(setup: dict[str, Any]) -> N
 
 def test_prefetches_wait_while_a_demand_load_is_outstanding(setup: dict[str, Any]) -> None:
     """No prefetch starts while a demand load is queued or running (it yields to the executing layer)."""
-    from specprefetch.runtime.cache import ExpertCache, SlotPool
-    from specprefetch.runtime.transfer import TransferEngine
+    from specprefetch.runtime.core.cache import ExpertCache, SlotPool
+    from specprefetch.runtime.core.transfer import TransferEngine
 
     store = setup["store"]
     reader = ExpertReader(store, make_profile("ram", _device(), store.layout.payload_bytes))
@@ -861,7 +866,7 @@ def test_per_model_experiments() -> None:
     """device.model_experiments narrows one model's benchmark experiments; a bad entry names its key."""
     from specprefetch.config import REPO_ROOT, load_config
     from specprefetch.io import SpecPrefetchError
-    from specprefetch.runtime.settings import device_settings, experiments_for
+    from specprefetch.runtime.core.settings import device_settings, experiments_for
 
     cfg = load_config(REPO_ROOT / "config" / "config.yaml")
     d = device_settings(cfg)
@@ -900,7 +905,7 @@ def test_simulator_platforms_are_the_config_vocabulary() -> None:
     import yaml
 
     from specprefetch.config import REPO_ROOT, section_defaults
-    from specprefetch.runtime.platforms import PLATFORMS
+    from specprefetch.runtime.simulation.platforms import PLATFORMS
 
     schema = yaml.safe_load((REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml").read_text())
     enum = schema["$defs"]["device"]["properties"]["simulator"]["properties"]["platforms"]["items"]["enum"]
@@ -909,7 +914,7 @@ def test_simulator_platforms_are_the_config_vocabulary() -> None:
 
 def test_benchmark_blocks_run_in_a_seeded_random_order() -> None:
     """No configuration is always first in its block: each (storage, repeat) has its own, reproducible order."""
-    from specprefetch.runtime.bench import RunConfig, block_order
+    from specprefetch.runtime.measurement.bench import RunConfig, block_order
 
     configs = [RunConfig("main", p, "nvme_cold", 4) for p in ("off", "pred0", "specprefetch", "naive", "fate")]
     orders = [block_order(configs, 7, "nvme_cold", r) for r in range(6)]
@@ -972,8 +977,8 @@ def test_collect_keeps_runs_that_differ_only_in_their_per_layer_budgets(tmp_path
     true duplicate is still refused with the line that repeats it."""
     from specprefetch.contracts import RUN_COLUMNS
     from specprefetch.io import SpecPrefetchError
-    from specprefetch.runtime.bench import write_runs_csv
-    from specprefetch.runtime.external import collect_device_benchmarks
+    from specprefetch.runtime.measurement.bench import write_runs_csv
+    from specprefetch.runtime.measurement.external import collect_device_benchmarks
 
     base = {c: "" for c in RUN_COLUMNS} | {
         "platform": "local-cpu", "model": "m", "experiment": "budget", "policy": "specprefetch", "storage": "ufs",
@@ -991,7 +996,7 @@ def test_collect_keeps_runs_that_differ_only_in_their_per_layer_budgets(tmp_path
 def test_window_excludes_the_layers_own_stall() -> None:
     """W_l = t_exec(l+1) - t_pred(l) - stall_l: in an offloaded run the time layer l waits for its own demand loads
     (which hold the device) is no window for layer l+1's prefetches; a multi-token (prefill) step has none."""
-    from specprefetch.runtime.window import per_layer_windows
+    from specprefetch.runtime.measurement.window import per_layer_windows
 
     def ev(step: int, layer: int, t_exec: float, t_pred: float | None, stall: float, n: int = 1) -> LayerEvent:
         e = LayerEvent(step=step, layer=layer, n_tokens=n, t_exec=t_exec, required=[0], hits=0, inflight=0,
@@ -1011,10 +1016,10 @@ def test_service_transfer_time_is_busy_time_per_expert_and_the_budget_its_window
     step, the union of its transfers' intervals over their number (overlapping requests share the time, idle gaps
     do not count), the median over steps; prefill, failed and uncharged transfers are not counted. M_max =
     max(1, floor(W / t)), at most n."""
-    from specprefetch.runtime.session import RunResult
-    from specprefetch.runtime.timeline import RunStats
-    from specprefetch.runtime.transfer import Transfer
-    from specprefetch.runtime.window import derive_m_max, service_transfer_ms
+    from specprefetch.runtime.core.timeline import RunStats
+    from specprefetch.runtime.core.transfer import Transfer
+    from specprefetch.runtime.measurement.session import RunResult
+    from specprefetch.runtime.measurement.window import derive_m_max, service_transfer_ms
 
     def tr(step: int, a: float, b: float, state: str = "done", charged: bool = True) -> Transfer:
         return Transfer((0, 0), "prefetch", step, 0, state=state, t_start=a, t_end=b, charged=charged)
@@ -1034,9 +1039,9 @@ def test_service_transfer_time_is_busy_time_per_expert_and_the_budget_its_window
 
 # ------------------------------------------------------------------------------------------ lockstep runs
 def test_own_time_removes_the_pauses_before_each_timestamp() -> None:
-    from specprefetch.runtime.decode import Generation
-    from specprefetch.runtime.session import RunResult, own_time
-    from specprefetch.runtime.transfer import Transfer
+    from specprefetch.runtime.core.transfer import Transfer
+    from specprefetch.runtime.measurement.decode import Generation
+    from specprefetch.runtime.measurement.session import RunResult, own_time
 
     ev = LayerEvent(1, 0, 1, 12.0, [0], 1, 0, 0, 1)
     ev.t_compute, ev.t_ready, ev.t_done, ev.t_pred = 16.0, 16.0, 21.0, None
@@ -1050,8 +1055,8 @@ def test_own_time_removes_the_pauses_before_each_timestamp() -> None:
 
 
 def _lockstep_harness(s: dict[str, Any], providers: dict[str, Any] | None = None) -> Any:
-    from specprefetch.runtime.decode import Prompt
-    from specprefetch.runtime.session import Harness
+    from specprefetch.runtime.measurement.decode import Prompt
+    from specprefetch.runtime.measurement.session import Harness
 
     settings = _device(n_prompts=1, max_new_tokens=NEW, io_workers=2, cache={"capacity_experts": 2 * s["spec"].top_k})
     adapter = random_adapter(s["spec"])
@@ -1120,7 +1125,7 @@ def test_lockstep_run_failure_is_raised_and_stops_the_others(setup: dict[str, An
 
 @pytest.mark.parametrize("lockstep", [True, False])
 def test_measure_block_runs_every_configuration_by_position(setup: dict[str, Any], lockstep: bool) -> None:
-    from specprefetch.runtime.bench import RunConfig, measure_block
+    from specprefetch.runtime.measurement.bench import RunConfig, measure_block
 
     h = _lockstep_harness(setup)
     try:
@@ -1148,7 +1153,7 @@ def test_decoding_from_an_adopted_prefill(setup: dict[str, Any]) -> None:
     """A runtime that adopts another's prefill decodes the plain tokens from it (first token's time: when decoding
     resumes); every expert stays resident where all are; a cache of another capacity cannot adopt; a prefill does
     not start another prompt."""
-    from specprefetch.runtime.decode import Prompt, greedy_generate, prefill
+    from specprefetch.runtime.measurement.decode import Prompt, greedy_generate, prefill
 
     h = _lockstep_harness(setup)
     prompt = h.prompts[0]
@@ -1185,7 +1190,7 @@ def test_decoding_from_an_adopted_prefill(setup: dict[str, Any]) -> None:
 
 def test_adopted_state_equals_own_prefill_state(setup: dict[str, Any]) -> None:
     """Cache, pool bytes, events and the Naive predictor's state after adopting a prefill = after running it."""
-    from specprefetch.runtime.decode import prefill
+    from specprefetch.runtime.measurement.decode import prefill
 
     h = _lockstep_harness(setup)
     prompt = h.prompts[0]
@@ -1221,7 +1226,7 @@ def test_adopted_state_equals_own_prefill_state(setup: dict[str, Any]) -> None:
 def test_all_resident_runs_share_one_pool_read_once(setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """The harness reads every expert once for all its all-resident runs: each slot holds the record the cache maps
     there, nothing is read again, and the runs decode the plain tokens; a pool of another store is refused."""
-    from specprefetch.runtime.engine import resident_pool
+    from specprefetch.runtime.core.engine import resident_pool
 
     h = _lockstep_harness(setup)
     store = setup["store"]

@@ -37,6 +37,6 @@ class ProMoEPredictor(Predictor):
         return [mlp(self._x(batch, l)) for l, mlp in enumerate(self.mlps)]
 
     def layer_token_scores(self, layer: int, x: Tensor) -> Tensor:
-        """Run-time API (``runtime.priority``): π̂^{layer+1} [T, n] from router input x^layer [T, D]."""
+        """Run-time API (``runtime.core.priority``): π̂^{layer+1} [T, n] from router input x^layer [T, D]."""
         mlp = self.mlps[layer]
         return F.softmax(mlp(x.to(mlp[0].weight.dtype)).float(), dim=-1)

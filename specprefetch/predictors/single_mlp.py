@@ -47,6 +47,6 @@ class SingleMLPPredictor(Predictor):
         return self.fc2(self.act(self.fc1(x.to(self.fc1.weight.dtype)) + self.layer_embedding.weight[pair]))
 
     def layer_token_scores(self, layer: int, x: Tensor) -> Tensor:
-        """Run-time API (``runtime.priority``): π̂^{layer+1} [T, n] from router input x^layer [T, D]."""
+        """Run-time API (``runtime.core.priority``): π̂^{layer+1} [T, n] from router input x^layer [T, D]."""
         return F.softmax(self.forward_pair(x, layer).float(), dim=-1)
 

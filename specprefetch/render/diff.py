@@ -3,19 +3,37 @@
 Every table and figure the renderer writes has a JSON twin (``paper_tables/table1_recall.json``,
 ``paper_tables/figures/fig4_budget.json``, ...) holding each printed number with a stable cell id. This tool
 matches the twins of OLD and NEW by table name and cell id, prints every cell that moved, and fails (exit status 1)
-when a cell moved past its tolerance, when a cell or table appeared or disappeared, or when a value became a dash
-(or the reverse). Tolerances are per table and per quantity, from the config's ``render.tolerances``::
+when a cell moved past what it allows, when a cell or table appeared or disappeared, or when a value became a dash
+(or the reverse).
+
+Measured cells are judged by their uncertainty. A cell of a timing quantity (throughput, gain, ReadyRecall, share,
+latency, window, demand: :data:`BETWEEN_RUN`) that carries ``n`` >= 2 and ``std`` in both renderings (the device
+tables' cells, mean over repeats) passes when the difference of the two means lies within
+
+    ± sqrt((t · SE)² + B²),   SE = sqrt(std_old²/n_old + std_new²/n_new)
+
+``t`` is Welch's t quantile (Welch-Satterthwaite degrees of freedom) at 95 % family-wise confidence, Bonferroni over
+every cell the test judges in this diff (:data:`FAMILY_LEVEL`); ``B``, the between-run allowance, is what a rerun on
+another hour or host moves beyond the repeats' noise (the host's speed and disk state; the within-run CI cannot see
+them): ``max(abs, rel · max(|old|, |new|))``. Absolute quantities (tok/s, ms, ReadyRecall, share of the bound) get
+a relative allowance (35 % / 25 %: a host 30 % faster moves every throughput); gains, ratios inside one paired block,
+get max(3 pp, 15 %) (they move with the host's compute-to-transfer ratio, far less than with its speed). A cell of
+such a quantity without ``n`` >= 2 and ``std`` on both sides (one repeat, an older JSON) falls back to the fixed
+tolerance below and its line says so. Everything else (recall, deterministic given the seeds; parameter counts;
+budgets chosen by a rule) is compared with the fixed tolerances. Both come from ``render.tolerances``::
 
     render:
       tolerances:
         default: {recall: {abs: 0.5}, params: {abs: 0}, throughput: {rel: 0.5}, gain: {abs: 10.0}}
-        table4_overhead: {throughput: {rel: 1.0}}      # a per-table override
-        fig1b_window: {window_ms: {ignore: true}}      # report, never fail
+        table4_overhead: {throughput: {rel: 1.0, between_run: {rel: 0.5}}}   # a per-table override
+        fig1b_window: {window_ms: {ignore: true}}                           # report, never fail
+        table1_recall: {recall: {abs: 0.5, between_run: {abs: 0.0}}}        # judge seed CIs by the test
 
 ``abs`` is in the cell's display unit (percentage points for recall and gains, tok/s, parameters); ``rel`` is a
-fraction of the old value; a cell passes if it is within either. ``ignore: true`` lists a move without failing
-(and a cell of that quantity appearing, disappearing or becoming a dash).
-Quantities without a tolerance must match exactly.
+fraction of the old value; a cell passes if it is within either. ``between_run`` (``{abs, rel}``) is the measured
+cells' allowance ``B``: a table's entry, else ``default``'s, else the built-in :data:`BETWEEN_RUN`; ``between_run:
+false`` judges the quantity by the fixed tolerance only. ``ignore: true`` lists a move without failing (and a cell
+of that quantity appearing, disappearing or becoming a dash). Quantities without a tolerance must match exactly.
 
 A ``note:`` line names every measurement setting in a table's meta that differs between the two renderings
 (:data:`SETUP_KEYS`: platform, model, repeats, the budgets the window profile chose): on a faster or slower host the

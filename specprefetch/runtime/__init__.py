@@ -1,26 +1,16 @@
-"""Offloaded MoE runtime with window-aware expert prefetching (paper §3.3, §4.4), its benchmarks and simulator.
+"""Offloaded MoE runtime with window-aware expert prefetching (paper §3.3, §4.4), its measurement and simulator.
 
-Modules (each docstring has the details):
+Three groups, each a sub-package whose docstring lists its modules, importing downward only
+(``tests/test_architecture.py``):
 
-- :mod:`.store`: the expert store (one aligned record per expert, manifest with sizes and sha256),
-  :func:`build_expert_store`, :class:`ExpertStore`, :func:`find_moe_blocks`;
-- :mod:`.storage`: storage profiles (cold physical disk, RAM, emulated NVMe/UFS/slow UFS/SD card),
-  :class:`ExpertReader`, :class:`BandwidthModel`, :class:`FaultInjector`;
-- :mod:`.cache`: :class:`ExpertCache` (bounded, LRU, pins, in-flight reservations) and :class:`SlotPool` (its bytes,
-  RAM or GPU memory);
-- :mod:`.transfer`: :class:`TransferEngine` (prioritised background I/O workers; CUDA side streams);
-- :mod:`.priority`: next-layer priorities at run time (trained predictors, FATE, Naive Prefetch) and
-  :func:`select_prefetch` (Top-M_max of the experts neither available nor in flight);
-- :mod:`.engine`: :class:`OffloadedRuntime` / :class:`OffloadedExperts` (the router decides; outputs unchanged);
-- :mod:`.timeline`: per-layer events, counters, ReadyRecall;
-- :mod:`.decode`, :mod:`.session`: greedy decoding with token timestamps, the benchmark harness;
-- :mod:`.window`: ``profile_window`` (W_l, transfer time, M_max, Figure 1 data);
-- :mod:`.bench`: ``bench_runtime`` (paired, interleaved experiments -> runs CSV);
-- :mod:`.simulator`, :mod:`.platforms`, :mod:`.simrun`: the trace-driven discrete-event simulator, the
-  Snapdragon 8 Elite profile, validation against measured runs;
-- :mod:`.external`: external device logs (schema, validation, merge into runs.csv);
-- :mod:`.lm_eval_model`: lm-eval model ``specprefetch-offloaded`` and the accuracy check;
-- :mod:`.settings`: the ``device`` config section as the runtime uses it (its CLI is :mod:`specprefetch.stages.device`).
+- :mod:`.core`: the runtime itself (expert store, storage, cache, transfer engine, priorities, the budget, the one
+  per-layer loop, :class:`OffloadedRuntime`);
+- :mod:`.measurement`: decoding with timestamps, the benchmark harness, the window profile, paired benchmarks, external
+  device logs;
+- :mod:`.simulation`: the trace-driven discrete-event simulator, the simulated platforms, validation against runs;
+
+and beside them :mod:`.lm_eval_model`, the lm-eval client (model ``specprefetch-offloaded``) that runs a task's
+generations through the runtime.
 """
 
 from specprefetch._lazy import lazy_exports
@@ -36,6 +26,6 @@ _EXPORTS = {
 }
 
 # Lazy exports: importing the package (e.g. for its config defaults) does not import torch.
-_MODULES = {**{k: f"{__name__}.{v}" for k, v in _EXPORTS.items()},
+_MODULES = {**{k: f"{__name__}.core.{v}" for k, v in _EXPORTS.items()},
             "POLICIES": "specprefetch.contracts", "STORAGES": "specprefetch.contracts"}
 __getattr__, __all__ = lazy_exports(__name__, _MODULES)

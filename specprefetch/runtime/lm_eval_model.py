@@ -1,7 +1,7 @@
 """Accuracy is preserved, shown with a real client: lm-eval generating through the offloaded runtime.
 
 :class:`OffloadedLM` (registered in lm-eval as ``specprefetch-offloaded``) is lm-eval's own ``HFLM`` whose model
-has its experts served by an :class:`~specprefetch.runtime.engine.OffloadedRuntime` (any policy, storage, budget),
+has its experts served by an :class:`~specprefetch.runtime.core.engine.OffloadedRuntime` (any policy, storage, budget),
 so generation, log-likelihoods and batching are exactly lm-eval's. :func:`evaluate_offloaded` scores the profile's
 local tasks (``results/workloads/{w}/lm_eval/*.yaml``) with the plain model and with every policy, and records
 whether scores and every generated output are identical.
@@ -19,7 +19,7 @@ predictor=results/predictors/tiny-deepseek-vl2/specprefetch \\
         --limit 8 --output_path results/lm_eval
 
 Without ``m_max=`` the budget is the config's ``device.m_max`` on the given storage (with ``auto``: give
-``window=`` a profile-window directory), decided as the pipeline decides it (:mod:`specprefetch.runtime.budget`).
+``window=`` a profile-window directory), decided as the pipeline decides it (:mod:`specprefetch.runtime.core.budget`).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from lm_eval.models.huggingface import HFLM
 
 from specprefetch.contracts import POLICY
 from specprefetch.io import SpecPrefetchError, atomic_path
-from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions
-from specprefetch.runtime.paper_scale import install_store_experts, match_store
-from specprefetch.runtime.storage import ExpertReader, make_profile
-from specprefetch.runtime.store import find_moe_blocks
+from specprefetch.runtime.core.engine import OffloadedRuntime, RuntimeOptions
+from specprefetch.runtime.core.paper_scale import install_store_experts, match_store
+from specprefetch.runtime.core.storage import ExpertReader, make_profile
+from specprefetch.runtime.core.store import find_moe_blocks
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ class OffloadedLM(HFLM):
                  capacity: int | None = None,
                  bundle: Any = None, expert_store: Any = None, provider: Any = None,
                  device: str = "cpu", batch_size: int = 1, **kwargs: Any) -> None:
-        from specprefetch.runtime.settings import cache_capacity, device_settings
-        from specprefetch.runtime.store import ExpertStore
+        from specprefetch.runtime.core.settings import cache_capacity, device_settings
+        from specprefetch.runtime.core.store import ExpertStore
 
         if bundle is None:
             from specprefetch.config import load_config
@@ -87,7 +87,7 @@ class OffloadedLM(HFLM):
         if provider is None and pol.provider is not None:
             provider = _provider_from(policy, predictor, spec, device)
         if provider is None and pol.predicts and pol.provider is None:
-            from specprefetch.runtime.priority import builtin_provider
+            from specprefetch.runtime.core.priority import builtin_provider
 
             provider = builtin_provider(policy, spec.n_layers, spec.n_experts)
         if capacity is None:
@@ -117,8 +117,8 @@ class OffloadedLM(HFLM):
 def default_m_max(settings: dict[str, Any], storage: str, window: str | None, model: str | None) -> int:
     """The budget when ``m_max=`` is not given: the config's ``device.m_max`` on ``storage``, or, when that is
     auto, the window profile's (``window=``: a profile-window directory), as the pipeline decides it
-    (:func:`~specprefetch.runtime.budget.storage_budgets`)."""
-    from specprefetch.runtime.budget import read_window_profile, storage_budgets
+    (:func:`~specprefetch.runtime.core.budget.storage_budgets`)."""
+    from specprefetch.runtime.core.budget import read_window_profile, storage_budgets
 
     profile = read_window_profile(window, model) if window is not None else None
     return storage_budgets(settings, profile, [storage], need="m_max= or window= (a profile-window directory)")[storage]
@@ -129,7 +129,7 @@ def _as_bool(v: Any) -> bool:
 
 
 def _provider_from(policy: str, predictor: str | None, spec: Any, device: str) -> Any:
-    from specprefetch.runtime.priority import PredictorPriority, fate_from_model
+    from specprefetch.runtime.core.priority import PredictorPriority, fate_from_model
 
     if predictor:
         from specprefetch.predictors.base import load_predictor
@@ -246,7 +246,7 @@ def evaluate_offloaded(cfg: dict[str, Any], settings: dict[str, Any], model_name
 
 
 def _capacity(settings: dict[str, Any], store: Any, top_k: int) -> int:
-    from specprefetch.runtime.settings import cache_capacity
+    from specprefetch.runtime.core.settings import cache_capacity
 
     return cache_capacity(settings, store.total_experts, int(top_k))
 

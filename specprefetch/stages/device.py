@@ -46,9 +46,9 @@ def _setup(args: argparse.Namespace, need_prompts: bool = True) -> dict[str, Any
     import torch
 
     from specprefetch.models import load_bundle
-    from specprefetch.runtime.decode import prompts_from_workload
-    from specprefetch.runtime.settings import device_settings, platform_label, resolve_accelerator
-    from specprefetch.runtime.store import ExpertStore
+    from specprefetch.runtime.core.settings import device_settings, platform_label, resolve_accelerator
+    from specprefetch.runtime.core.store import ExpertStore
+    from specprefetch.runtime.measurement.decode import prompts_from_workload
 
     cfg = load_args_config(args)
     settings = device_settings(cfg)
@@ -64,7 +64,7 @@ def _setup(args: argparse.Namespace, need_prompts: bool = True) -> dict[str, Any
     if need_prompts:
         wdir = args.workload_dir
         prompts = prompts_from_workload(bundle, wdir, int(settings["n_prompts"]), int(settings["max_prompt_tokens"]))
-    from specprefetch.runtime.priority import provider_factories
+    from specprefetch.runtime.core.priority import provider_factories
 
     providers = provider_factories(parse_predictor_args(args.predictor), bundle.routing, accel, args.model)
     return {"cfg": cfg, "settings": settings, "accel": accel, "platform": platform_label(settings, accel),
@@ -72,7 +72,7 @@ def _setup(args: argparse.Namespace, need_prompts: bool = True) -> dict[str, Any
 
 
 def _harness(env: dict[str, Any]) -> Any:
-    from specprefetch.runtime.session import Harness
+    from specprefetch.runtime.measurement.session import Harness
 
     b = env["bundle"]
     return Harness(b.model, b.routing, env["store"], env["settings"], env["prompts"], env["providers"], env["accel"],
@@ -86,7 +86,7 @@ def _fragment(cfg: dict[str, Any], model: str) -> dict[str, Any]:
 
 def _window_profile(window: Path, model: str) -> dict[str, Any]:
     """``profile-window``'s profile.json for ``model`` (a clear error when missing, malformed or another model's)."""
-    from specprefetch.runtime.budget import read_window_profile
+    from specprefetch.runtime.core.budget import read_window_profile
 
     return read_window_profile(window, model)
 
@@ -94,9 +94,9 @@ def _window_profile(window: Path, model: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ commands
 def _cmd_build_store(args: argparse.Namespace) -> None:
     from specprefetch.models import load_bundle
-    from specprefetch.runtime.paper_scale import ExpertScale
-    from specprefetch.runtime.settings import device_settings
-    from specprefetch.runtime.store import build_expert_store
+    from specprefetch.runtime.core.paper_scale import ExpertScale
+    from specprefetch.runtime.core.settings import device_settings
+    from specprefetch.runtime.core.store import build_expert_store
 
     cfg = load_args_config(args)
     sc = device_settings(cfg)["paper_scale"].get(args.model)
@@ -107,7 +107,7 @@ def _cmd_build_store(args: argparse.Namespace) -> None:
 
 
 def _cmd_profile_window(args: argparse.Namespace) -> None:
-    from specprefetch.runtime.window import profile_window
+    from specprefetch.runtime.measurement.window import profile_window
 
     env = _setup(args)
     harness = _harness(env)
@@ -118,12 +118,12 @@ def _cmd_profile_window(args: argparse.Namespace) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
-    from specprefetch.runtime.bench import bench_runtime
+    from specprefetch.runtime.measurement.bench import bench_runtime
 
     env = _setup(args)
     profile = _window_profile(args.window, args.model)
     harness = _harness(env)
-    from specprefetch.runtime.settings import experiments_for
+    from specprefetch.runtime.core.settings import experiments_for
 
     experiments = args.experiments.split(",") if args.experiments else experiments_for(env["settings"], args.model)
     try:
@@ -143,8 +143,8 @@ def _cmd_validate_simulator(args: argparse.Namespace) -> None:
         check_window_profile,
         load_tensor_tree,
     )
-    from specprefetch.runtime.settings import device_settings
-    from specprefetch.runtime.simrun import (
+    from specprefetch.runtime.core.settings import device_settings
+    from specprefetch.runtime.simulation.simrun import (
         check_routing_record,
         summarize_validation,
         validate_simulator,
@@ -171,9 +171,9 @@ def _cmd_validate_simulator(args: argparse.Namespace) -> None:
 def _cmd_simulate(args: argparse.Namespace) -> None:
     import torch
 
-    from specprefetch.runtime.bench import write_runs_csv
-    from specprefetch.runtime.settings import device_settings, experiments_for
-    from specprefetch.runtime.simrun import simulate_platform
+    from specprefetch.runtime.core.settings import device_settings, experiments_for
+    from specprefetch.runtime.measurement.bench import write_runs_csv
+    from specprefetch.runtime.simulation.simrun import simulate_platform
     from specprefetch.traces.store import TraceReader
 
     cfg = load_args_config(args)
@@ -187,7 +187,7 @@ def _cmd_simulate(args: argparse.Namespace) -> None:
         if reader.manifest["model"] != args.model:
             raise SpecPrefetchError(f"{reader.dir}: trace of model {reader.manifest['model']!r}, not {args.model!r}")
     spec_like = _TraceSpec(readers[0])
-    from specprefetch.runtime.priority import provider_factories
+    from specprefetch.runtime.core.priority import provider_factories
 
     providers = (provider_factories(parse_predictor_args(args.predictor), spec_like, "cpu", args.model)
                  if args.predictor else {})
@@ -214,7 +214,7 @@ class _TraceSpec:
 
 
 def _cmd_collect(args: argparse.Namespace) -> None:
-    from specprefetch.runtime.external import collect_device_benchmarks, concat_csvs
+    from specprefetch.runtime.measurement.external import collect_device_benchmarks, concat_csvs
 
     out = Path(args.out_dir)
     rows = collect_device_benchmarks(args.runs, args.external or [], out / "runs.csv")
@@ -226,7 +226,7 @@ def _cmd_collect(args: argparse.Namespace) -> None:
 
 
 def _cmd_evaluate_offloaded(args: argparse.Namespace) -> None:
-    from specprefetch.runtime.budget import storage_budgets
+    from specprefetch.runtime.core.budget import storage_budgets
     from specprefetch.runtime.lm_eval_model import evaluate_offloaded
 
     env = _setup(args, need_prompts=False)

@@ -46,7 +46,7 @@ from specprefetch.contracts import (
     reraise_as,
 )
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.bench import write_runs_csv
+from specprefetch.runtime.measurement.bench import write_runs_csv
 
 REQUIRED = ("platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat", "tokens_per_s")
 OPTIONAL_INT = ("n_tokens", "hits", "misses", "prefetched", "wasted")

@@ -16,7 +16,8 @@ Experiments (the ``experiment`` column of ``runs.csv``), all on the same prompts
 The blocks of :func:`storage_blocks` measure the plan: a block holds whole experiments of one storage and measures
 every distinct configuration they run on it once per repeat, before repeat ``r+1`` starts: in lockstep, token by
 token in a fresh random order every token (``device.interleave: token``, the default; see
-:meth:`~specprefetch.runtime.session.Harness.run_lockstep`), or one run after another in a random order (``run``).
+:meth:`~specprefetch.runtime.measurement.session.Harness.run_lockstep`), or one run after another in a random order
+(``run``).
 A storage is one block, or, with ``device.max_block_runs``, several blocks of at most that many configurations, each
 with its own OFF (on the physical disk a big lockstep block pairs worse: its runs' tokens lie further apart).
 Every block measures ``device.repeats`` repeats; with ``device.max_repeats`` it then goes on, one repeat at a time,
@@ -51,8 +52,8 @@ import torch
 from specprefetch.contracts import ROUTING_FORMAT, RUN_COLUMNS, save_tensor_tree
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance
 from specprefetch.metrics import bootstrap_ci
-from specprefetch.runtime.budget import layer_budgets, run_budget, storage_budgets
-from specprefetch.runtime.session import Harness, RunResult
+from specprefetch.runtime.core.budget import layer_budgets, run_budget, storage_budgets
+from specprefetch.runtime.measurement.session import Harness, RunResult
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class RunConfig:
 
     @property
     def budget(self) -> int:
-        """The M_max the runtime uses (:func:`~specprefetch.runtime.budget.run_budget`: 0 for OFF, all-resident)."""
+        """The M_max the runtime uses (:func:`~specprefetch.runtime.core.budget.run_budget`: 0 for OFF, resident)."""
         return run_budget(self.policy, self.m_max, self.layer_m_max).m_max
 
     @property
@@ -114,7 +115,7 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
                      layer_m_max: dict[str, tuple[int, ...]] | None = None) -> dict[str, list[RunConfig]]:
     """The configurations of every experiment, each storage at its own budget ``budgets[storage]`` (an integer:
     the same budget everywhere) and, for ``budget``, its per-layer budgets ``layer_m_max[storage]``
-    (:mod:`~specprefetch.runtime.budget` decides both)."""
+    (:mod:`~specprefetch.runtime.core.budget` decides both)."""
     ref, slow = settings["reference_storage"], settings["slow_storage"]
     m_max = budgets if isinstance(budgets, dict) else defaultdict(lambda: int(budgets))
     per_layer = layer_m_max or {}
@@ -222,7 +223,7 @@ def set_bounds(rows: list[dict[str, Any]], events_of: dict[tuple[str, int, Signa
     ``bound_own_tokens_per_s``: the same bound with the run's own measured compute, so the gap to the
     bound splits into compute the offloaded run lost (the host's cores and memory shared with its transfers) and
     the transfers it left exposed."""
-    from specprefetch.runtime.window import compute_profile
+    from specprefetch.runtime.measurement.window import compute_profile
 
     resident = {r: compute_profile(evs, n_layers) for (exp, r, sig), evs in events_of.items()
                 if sig[0] == "resident" and sig[3]}
@@ -273,11 +274,11 @@ def recorded_routing(res: RunResult) -> list[dict[str, Any]]:
 
 def run_timing(res: RunResult, n_layers: int) -> dict[str, Any]:
     """What the host gave the run, as the simulator's inputs (``validate_simulator``'s ``run`` inputs): the run's own
-    per-layer compute durations (:func:`~specprefetch.runtime.window.compute_profile` of its events, stalls
+    per-layer compute durations (:func:`~specprefetch.runtime.measurement.window.compute_profile` of its events, stalls
     excluded), the mean duration of its transfers during decoding (read start to slot filled) and its per-expert
     service time (the time some transfer was running, divided by their number: what one expert costs the device when
     transfers overlap); NaN with no transfer."""
-    from specprefetch.runtime.window import busy_s, compute_profile, decoding_transfers
+    from specprefetch.runtime.measurement.window import busy_s, compute_profile, decoding_transfers
 
     transfers = decoding_transfers(res)
     n = len(transfers)
@@ -349,7 +350,7 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
 
 def _plan_blocks(settings: dict[str, Any], profile: dict[str, Any],
                  experiments: Iterable[str] | None) -> tuple[dict[str, list[RunConfig]], list[Block]]:
-    """The plan (every storage at its budget from :mod:`~specprefetch.runtime.budget`) and the blocks measuring it."""
+    """The plan (each storage at its budget from :mod:`~specprefetch.runtime.core.budget`) and its blocks."""
     m_max = storage_budgets(settings, profile)
     plan = plan_experiments(settings, m_max, experiments or settings["experiments"],
                             layer_budgets(settings, profile, m_max))

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.store import ALIGNMENT, RecordLayout
+from specprefetch.runtime.core.store import ALIGNMENT, RecordLayout
 
 FORMATS = {"int4": ("int4", torch.bfloat16), "bf16": ("none", torch.bfloat16), "fp32": ("none", torch.float32)}
 

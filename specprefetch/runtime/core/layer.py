@@ -15,8 +15,8 @@ One MoE layer (:meth:`LayerLoop.run`):
    in a decoding step, all K experts are waited for and then computed at once (the batched fast path).
 5. The layer's experts become the most recently used; the provider observes the layer's routing (``t_done``).
 
-The loop runs over an :class:`~specprefetch.runtime.iobackend.IOBackend`:
-:class:`~specprefetch.runtime.transfer.TransferEngine` (I/O threads, wall clock) or the simulator's ``_SimIO``
+The loop runs over an :class:`~specprefetch.runtime.core.iobackend.IOBackend`:
+:class:`~specprefetch.runtime.core.transfer.TransferEngine` (I/O threads, wall clock) or the simulator's ``_SimIO``
 (discrete-event clock), and a :class:`LayerWork`: what "compute" is (the runtime's matmuls, or the simulator
 charging profiled durations to its clock). Every decision -- what is cancelled, promoted, pinned, loaded on
 demand, selected, prefetched, waited for and counted -- is this module's, so the simulator makes the runtime's
@@ -32,10 +32,10 @@ from typing import Any, Protocol
 
 import torch
 
-from specprefetch.runtime.cache import CacheError, ExpertCache, Key
-from specprefetch.runtime.iobackend import IOBackend, TransferLike
-from specprefetch.runtime.priority import PriorityProvider, select_prefetch
-from specprefetch.runtime.timeline import LayerEvent
+from specprefetch.runtime.core.cache import CacheError, ExpertCache, Key
+from specprefetch.runtime.core.iobackend import IOBackend, TransferLike
+from specprefetch.runtime.core.priority import PriorityProvider, select_prefetch
+from specprefetch.runtime.core.timeline import LayerEvent
 
 Issued = dict[tuple[int, int], list[Any]]  # (step, target layer) -> the prefetches issued for it
 

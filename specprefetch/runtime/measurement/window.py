@@ -13,7 +13,7 @@ Measured on the current platform with the real runtime:
   top-M predicted experts not available at ``t_pred`` times the per-expert transfer time, paired with the
   same event's window;
 - ``M_max = max(1, floor(median W_l / t_transfer))`` per storage (or the configured integer; the rule and every
-  other budget decision are :mod:`specprefetch.runtime.budget`'s): as many experts as the storage delivers within
+  other budget decision are :mod:`specprefetch.runtime.core.budget`'s): as many experts as the storage delivers within
   the window. ``t_transfer`` is the per-expert transfer time *inside the runtime*
   (:func:`service_transfer_ms`: in a prefetching run at M = K, the time the storage was serving some transfer in a
   decoding step divided by the transfers it served, median over steps), which includes the runtime's concurrency
@@ -46,10 +46,10 @@ from torch import nn
 
 from specprefetch.contracts import EMULATED, LATENCY_PARTS
 from specprefetch.io import atomic_path, provenance, write_json_atomic
-from specprefetch.runtime.budget import RULE, budget_storages, derive_m_max, is_auto, window_budgets
-from specprefetch.runtime.session import Harness, RunResult
-from specprefetch.runtime.storage import ExpertReader, host_buffer, make_profile, measure_transfer_ms
-from specprefetch.runtime.timeline import LayerEvent
+from specprefetch.runtime.core.budget import RULE, budget_storages, derive_m_max, is_auto, window_budgets
+from specprefetch.runtime.core.storage import ExpertReader, host_buffer, make_profile, measure_transfer_ms
+from specprefetch.runtime.core.timeline import LayerEvent
+from specprefetch.runtime.measurement.session import Harness, RunResult
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +187,8 @@ def _quantile(values: list[float], q: float) -> float:
 def transfer_cpu_ms(harness: Harness, storage: str, batches: int = 16) -> float:
     """Host CPU time (all threads) per expert transfer served by the I/O workers, in batches of K prefetches:
     the compute a prefetch takes away from the model on this host (GIL, copies, syscalls)."""
-    from specprefetch.runtime.cache import ExpertCache, SlotPool
-    from specprefetch.runtime.transfer import TransferEngine
+    from specprefetch.runtime.core.cache import ExpertCache, SlotPool
+    from specprefetch.runtime.core.transfer import TransferEngine
 
     reader = harness.reader(storage)
     reader.prepare_run()

@@ -1,8 +1,8 @@
-"""The I/O backend the per-layer loop (:mod:`~specprefetch.runtime.layer`) drives: one declared interface, two clocks.
+"""The I/O backend the per-layer loop (:mod:`~specprefetch.runtime.core.layer`) drives: one interface, two clocks.
 
-:class:`~specprefetch.runtime.transfer.TransferEngine` serves transfers with I/O threads on the wall clock; the
-simulator's ``_SimIO`` (:mod:`~specprefetch.runtime.simulator`) serves them on a discrete-event clock. The loop
-only calls the operations below, so it makes the same decisions over either; what differs is how time passes:
+:class:`~specprefetch.runtime.core.transfer.TransferEngine` serves transfers with I/O threads on the wall clock; the
+simulator's ``_SimIO`` (:mod:`~specprefetch.runtime.simulation.simulator`) serves them on a discrete-event clock.
+The loop only calls the operations below, so it makes the same decisions over either; what differs is how time passes:
 
 - the engine's clock is ``time.perf_counter``: compute takes the time it takes (``account`` is a no-op) and the
   I/O threads settle transfers on their own (``poll`` is a no-op);
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from specprefetch.runtime.cache import Key
+from specprefetch.runtime.core.cache import Key
 
 
 @runtime_checkable

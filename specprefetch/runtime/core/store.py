@@ -169,7 +169,7 @@ class RecordLayout:
         if self.quant == "none":
             shapes = [("gate_up", (2 * i, h), self.dtype), ("down", (h, i), self.dtype)]
         else:
-            from specprefetch.runtime.quant import scales_shape
+            from specprefetch.runtime.core.quant import scales_shape
 
             g = self.group_size
             shapes = [("gate_up", (2 * i, h // 2), torch.uint8), ("gate_up_scales", scales_shape(2 * i, h, g),
@@ -212,7 +212,7 @@ class RecordLayout:
         if self.quant == "none":
             tensors: tuple[Tensor, ...] = (gate_up.detach().to("cpu", self.dtype), down.detach().to("cpu", self.dtype))
         else:
-            from specprefetch.runtime import quant
+            from specprefetch.runtime.core import quant
 
             gq, gs = quant.quantize(gate_up.detach().cpu(), self.group_size)
             dq, ds = quant.quantize(down.detach().cpu(), self.group_size)
@@ -231,7 +231,7 @@ class RecordLayout:
             gate, up = F.linear(xi, gu).chunk(2, dim=-1)
             y = F.linear(act_fn(gate) * up, dn)
         else:
-            from specprefetch.runtime import quant
+            from specprefetch.runtime.core import quant
 
             gu, gs, dn, ds = weights
             gate, up = quant.linear(xi, gu, gs, self.group_size).chunk(2, dim=-1)
@@ -251,7 +251,7 @@ class RecordLayout:
                                "dtype": str(p.dtype).removeprefix("torch.")} for p in self.parts},
         }
         if self.quant == "int4":
-            from specprefetch.runtime.quant import PACKING
+            from specprefetch.runtime.core.quant import PACKING
 
             out.update(group_size=self.group_size, packing=PACKING, packed_by_torch=torch.__version__)
         return out
@@ -261,7 +261,7 @@ def layout_from_manifest(m: dict[str, Any], where: str) -> RecordLayout:
     """The record layout a manifest describes; an int4 store packed by another torch version is refused."""
     quant = str(m.get("quant", "none"))
     if quant == "int4":
-        from specprefetch.runtime.quant import PACKING, check_int4_available
+        from specprefetch.runtime.core.quant import PACKING, check_int4_available
 
         check_int4_available()
         if m.get("packing") != PACKING or m.get("packed_by_torch") != torch.__version__:
@@ -289,7 +289,7 @@ def build_expert_store(model: nn.Module, out_dir: str | os.PathLike, spec: Any |
                        config_fragment: Any = None, scale: Any = None) -> Path:
     """Write the routed experts of ``model`` into an expert store at ``out_dir`` (atomically) and return it.
 
-    ``scale`` (a :class:`~specprefetch.runtime.paper_scale.ExpertScale`): every expert widened to the real model's
+    ``scale`` (a :class:`~specprefetch.runtime.core.paper_scale.ExpertScale`): every expert widened to the real model's
     shape and stored in its format (the paper-scale store); else the model's own experts in ``dtype``.
     Every file is fsync'ed so that a cold read (O_DIRECT, or the page cache evicted) really reaches the device.
     """
@@ -301,7 +301,7 @@ def build_expert_store(model: nn.Module, out_dir: str | os.PathLike, spec: Any |
         scale.check_fits(h, i, "MoE layer ordinal 0")
         layout = scale.layout(h)
         if layout.quant == "int4":
-            from specprefetch.runtime.quant import check_int4_available
+            from specprefetch.runtime.core.quant import check_int4_available
 
             check_int4_available()
     else:

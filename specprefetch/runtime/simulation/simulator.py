@@ -1,14 +1,14 @@
 """Trace-driven discrete-event simulator of the offloaded runtime (same cache, budget and queue logic).
 
 It replays, step by step and layer by layer, the native routing of a token sequence and the predictor's
-priorities through the runtime's own per-layer loop (:class:`~specprefetch.runtime.layer.LayerLoop`: cancel/promote
+priorities through the runtime's own per-layer loop (:class:`~specprefetch.runtime.core.layer.LayerLoop`: cancel/promote
 at ``t_exec``, pin, demand loads, selection and prefetch issue in priority order, waits, release, accounting) and
-the *same* :class:`~specprefetch.runtime.cache.ExpertCache`, with the same
-:class:`~specprefetch.runtime.storage.BandwidthModel`, over a discrete-event I/O backend (``_SimIO``, an
-:class:`~specprefetch.runtime.iobackend.IOBackend`): compute takes the profiled per-layer durations
+the *same* :class:`~specprefetch.runtime.core.cache.ExpertCache`, with the same
+:class:`~specprefetch.runtime.core.storage.BandwidthModel`, over a discrete-event I/O backend (``_SimIO``, an
+:class:`~specprefetch.runtime.core.iobackend.IOBackend`): compute takes the profiled per-layer durations
 (:class:`ComputeProfile`, charged by ``_SimWork``: the whole layer at once on the ``compute_opt`` path, an equal
 share per expert on the eager loop), each transfer occupies one of ``io_workers`` servers for its modelled time.
-It produces the runtime's own :class:`~specprefetch.runtime.timeline.LayerEvent` records, so counters and
+It produces the runtime's own :class:`~specprefetch.runtime.core.timeline.LayerEvent` records, so counters and
 ReadyRecall come from the same ``summarize``.
 
 Inputs: a list of :class:`SimSequence` (prefill step + decoding steps, each with the top-K rows of every MoE
@@ -16,7 +16,7 @@ layer and, for predicting policies, the priorities the layer's provider produced
 benchmark's routing record or a runtime's events (:func:`sequences_from_record`) -- or from a routing trace and a
 predictor (:func:`sequences_from_trace`); a :class:`ComputeProfile` (profiled on this machine by
 ``profile_window`` or a platform's published figures). Naive Prefetch's priorities, when not recorded, come from
-the provider the runtime runs (:func:`~specprefetch.runtime.priority.builtin_provider`), fed the replayed routing.
+the provider the runtime runs (:func:`~specprefetch.runtime.core.priority.builtin_provider`), fed the replayed routing.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from torch import Tensor
 
 from specprefetch.contracts import POLICIES, POLICY
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.budget import layer_budget
-from specprefetch.runtime.cache import ExpertCache, Key
-from specprefetch.runtime.layer import LayerLoop
-from specprefetch.runtime.priority import PriorityProvider, builtin_provider
-from specprefetch.runtime.storage import BandwidthModel, StorageProfile
-from specprefetch.runtime.timeline import LayerEvent, RunStats, summarize
+from specprefetch.runtime.core.budget import layer_budget
+from specprefetch.runtime.core.cache import ExpertCache, Key
+from specprefetch.runtime.core.layer import LayerLoop
+from specprefetch.runtime.core.priority import PriorityProvider, builtin_provider
+from specprefetch.runtime.core.storage import BandwidthModel, StorageProfile
+from specprefetch.runtime.core.timeline import LayerEvent, RunStats, summarize
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class _Tr:
 
 class _SimIO:
     """I/O workers + prioritised queue on the virtual clock: the simulator's
-    :class:`~specprefetch.runtime.iobackend.IOBackend` (mirrors runtime.transfer.TransferEngine).
+    :class:`~specprefetch.runtime.core.iobackend.IOBackend` (mirrors runtime.core.transfer.TransferEngine).
 
     ``clock`` is the compute thread's time: it moves when compute is charged (``account``), when the compute
     thread waits for a transfer, and when it performs one itself. Workers serve prefetches only, sleep when none is
@@ -281,7 +281,7 @@ class _SimIO:
 class ReplayPriority(PriorityProvider):
     """A predicting policy's priorities in a replay: the step's recorded ones (what the runtime's provider
     produced), else those of ``live`` -- the provider the runtime runs, fed the replayed routing (Naive Prefetch's,
-    :func:`~specprefetch.runtime.priority.builtin_provider`). ``empty_when_zero`` is the producing provider's."""
+    :func:`~specprefetch.runtime.core.priority.builtin_provider`). ``empty_when_zero`` is the producing provider's."""
 
     def __init__(self, policy: str, live: PriorityProvider | None, empty_when_zero: bool) -> None:
         self.policy = policy
@@ -330,7 +330,7 @@ def replay_provider(policy: str, n_layers: int, n_experts: int) -> ReplayPriorit
 
 
 class _SimWork:
-    """The simulator's compute (a :class:`~specprefetch.runtime.layer.LayerWork`): the profiled durations of
+    """The simulator's compute (a :class:`~specprefetch.runtime.core.layer.LayerWork`): the profiled durations of
     :class:`ComputeProfile` charged to the virtual clock; the provider observes the replayed routing."""
 
     def __init__(self, io: _SimIO, compute: ComputeProfile, replay: ReplayPriority | None) -> None:
@@ -438,7 +438,7 @@ def sequences_from_record(rows: Sequence[Mapping[str, Any]], n_layers: int) -> l
     """Recorded routing -> sequences; a multi-token step starts a new sequence. ``rows``: one mapping per layer
     call with ``step``, ``layer``, ``topk`` ([tokens, K] expert ids) and ``scores`` (the priorities for ``layer+1``
     or None): a benchmark's routing record, or a runtime's events (``record_routing``) through
-    :func:`~specprefetch.runtime.timeline.routing_rows`."""
+    :func:`~specprefetch.runtime.core.timeline.routing_rows`."""
     steps: dict[int, dict[int, Mapping[str, Any]]] = defaultdict(dict)
     for row in rows:
         if row.get("topk") is None:

@@ -62,7 +62,7 @@ import torch
 from specprefetch import registry
 from specprefetch.contracts import STORAGES
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.store import ExpertStore
+from specprefetch.runtime.core.store import ExpertStore
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ performed by the compute thread itself (:meth:`TransferEngine.steal`) when the l
 on them either way, and a demand load then costs no thread hand-off, as in a plain on-demand runtime (measured:
 a hand-off to a woken worker added ~0.5 ms per load on a loaded 2-core host, more than the read itself).
 
-A worker reads the record from storage (:class:`~specprefetch.runtime.storage.ExpertReader`) into the cache
+A worker reads the record from storage (:class:`~specprefetch.runtime.core.storage.ExpertReader`) into the cache
 slot (CPU: a page-cache or RAM read straight into it, a direct read through one of the reader's shared staging
 buffers), or into a pinned staging buffer and then, on the worker's own CUDA stream, into the GPU slot
 (CUDA); the transfer is complete when the copy has finished. A failed read is retried ``retries`` times;
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from specprefetch.runtime.cache import ExpertCache, Key, SlotPool
-from specprefetch.runtime.storage import ExpertReader
+from specprefetch.runtime.core.cache import ExpertCache, Key, SlotPool
+from specprefetch.runtime.core.storage import ExpertReader
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Transfer:
 
 class TransferEngine:
     """The I/O worker pool. All queue/cache mutations happen under ``cache.lock`` (one lock, no ordering issues).
-    The per-layer loop's wall-clock :class:`~specprefetch.runtime.iobackend.IOBackend`."""
+    The per-layer loop's wall-clock :class:`~specprefetch.runtime.core.iobackend.IOBackend`."""
 
     def __init__(self, reader: ExpertReader, cache: ExpertCache, pool: SlotPool, n_workers: int = 4,
                  retries: int = 2) -> None:

@@ -24,15 +24,15 @@ from torch import nn
 
 from specprefetch.contracts import POLICY
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.budget import run_budget
-from specprefetch.runtime.cache import SlotPool
-from specprefetch.runtime.decode import Generation, Prefilled, Prompt, greedy_generate, prefill
-from specprefetch.runtime.engine import OffloadedRuntime, RuntimeOptions, install_offloaded, resident_pool
-from specprefetch.runtime.paper_scale import install_store_experts, match_store
-from specprefetch.runtime.priority import PriorityProvider, builtin_provider
-from specprefetch.runtime.storage import ExpertReader, StorageProfile, make_profile
-from specprefetch.runtime.store import ExpertStore, find_moe_blocks
-from specprefetch.runtime.timeline import LayerEvent, RunStats
+from specprefetch.runtime.core.budget import run_budget
+from specprefetch.runtime.core.cache import SlotPool
+from specprefetch.runtime.core.engine import OffloadedRuntime, RuntimeOptions, install_offloaded, resident_pool
+from specprefetch.runtime.core.paper_scale import install_store_experts, match_store
+from specprefetch.runtime.core.priority import PriorityProvider, builtin_provider
+from specprefetch.runtime.core.storage import ExpertReader, StorageProfile, make_profile
+from specprefetch.runtime.core.store import ExpertStore, find_moe_blocks
+from specprefetch.runtime.core.timeline import LayerEvent, RunStats
+from specprefetch.runtime.measurement.decode import Generation, Prefilled, Prompt, greedy_generate, prefill
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Harness:
         if self.device.type == "cuda":
             model.to(self.device)
         self.prompts = [p.to(self.device) for p in prompts]
-        from specprefetch.runtime.settings import cache_capacity
+        from specprefetch.runtime.core.settings import cache_capacity
 
         self.capacity = capacity or cache_capacity(settings, store.total_experts, int(spec.top_k))
         self._readers: dict[str, ExpertReader] = {}
@@ -118,7 +118,7 @@ class Harness:
     def plain_generations(self, max_new_tokens: int | None = None,
                           prompts: list[Prompt] | None = None) -> list[Generation]:
         """The plain model's greedy ``generate()``: every MoE block computes its experts from the store's records,
-        all resident (:class:`~specprefetch.runtime.paper_scale.ResidentExperts`), with no runtime: the tokens
+        all resident (:class:`~specprefetch.runtime.core.paper_scale.ResidentExperts`), with no runtime: the tokens
         every offloaded run must reproduce."""
         saved = install_store_experts(self.blocks, self.store, self.device)
         try:
@@ -139,7 +139,7 @@ class Harness:
                 preload: bool = False, capacity: int | None = None, topm_absent: tuple[int, ...] = (),
                 layer_m_max: tuple[int, ...] = ()) -> OffloadedRuntime:
         """A fresh runtime for one run of ``policy`` on ``storage`` (not installed); its budget is
-        :func:`~specprefetch.runtime.budget.run_budget`'s (none for a policy without one)."""
+        :func:`~specprefetch.runtime.core.budget.run_budget`'s (none for a policy without one)."""
         budget = run_budget(policy, m_max, layer_m_max)
         if (preload or POLICY[policy].preload) and self._resident is None:
             self._resident = resident_pool(self.store, self.device)

@@ -17,8 +17,8 @@ from collections.abc import Collection, Iterable
 import torch
 
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.storage import HUGE_PAGE, host_buffer
-from specprefetch.runtime.store import RecordLayout
+from specprefetch.runtime.core.storage import HUGE_PAGE, host_buffer
+from specprefetch.runtime.core.store import RecordLayout
 
 Key = tuple[int, int]  # (MoE layer ordinal, expert id)
 

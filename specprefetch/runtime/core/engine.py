@@ -5,8 +5,8 @@ with the same call signature ``(hidden_states, top_k_index, top_k_weights)``. Th
 native router still decides which experts run, so the model's outputs cannot depend on the prefetch policy.
 
 At MoE layer ``l`` (one call of ``OffloadedExperts.forward``), the per-layer loop of
-:class:`~specprefetch.runtime.layer.LayerLoop` (the simulator runs the same one) over the
-:class:`~specprefetch.runtime.transfer.TransferEngine`, with this module's matmuls as its compute:
+:class:`~specprefetch.runtime.core.layer.LayerLoop` (the simulator runs the same one) over the
+:class:`~specprefetch.runtime.core.transfer.TransferEngine`, with this module's matmuls as its compute:
 
 1. ``t_exec``: the layer's demand T^l is known. Queued prefetches for ``l`` that are not needed are cancelled,
    needed ones are promoted to demand loads; the cache's content A^l(t_exec) is recorded (ReadyRecall, hits);
@@ -40,14 +40,14 @@ from torch import Tensor, nn
 
 from specprefetch.contracts import POLICIES, POLICY
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.budget import layer_budget
-from specprefetch.runtime.cache import ExpertCache, Key, SlotPool
-from specprefetch.runtime.layer import LayerLoop
-from specprefetch.runtime.priority import PriorityProvider
-from specprefetch.runtime.storage import ExpertReader, StorageError
-from specprefetch.runtime.store import ExpertStore, MoEBlock, find_moe_blocks
-from specprefetch.runtime.timeline import LayerEvent, RunStats, summarize
-from specprefetch.runtime.transfer import TransferEngine
+from specprefetch.runtime.core.budget import layer_budget
+from specprefetch.runtime.core.cache import ExpertCache, Key, SlotPool
+from specprefetch.runtime.core.layer import LayerLoop
+from specprefetch.runtime.core.priority import PriorityProvider
+from specprefetch.runtime.core.storage import ExpertReader, StorageError
+from specprefetch.runtime.core.store import ExpertStore, MoEBlock, find_moe_blocks
+from specprefetch.runtime.core.timeline import LayerEvent, RunStats, summarize
+from specprefetch.runtime.core.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class OffloadedRuntime:
         self.top_k = int(self.spec.top_k)
         self.device = torch.device(device)
         if store.layout.quant == "int4":
-            from specprefetch.runtime.quant import check_int4_available
+            from specprefetch.runtime.core.quant import check_int4_available
 
             check_int4_available(self.device)  # the packed 4-bit layout is aten's CPU one
         self.policy = POLICY[options.policy]
@@ -325,7 +325,7 @@ class OffloadedRuntime:
 
 class _LayerCompute:
     """The runtime's compute for one call of an offloaded MoE layer (a
-    :class:`~specprefetch.runtime.layer.LayerWork`): the provider's priorities from the router input, and the
+    :class:`~specprefetch.runtime.core.layer.LayerWork`): the provider's priorities from the router input, and the
     experts' MLPs over the cache slots -- transformers' eager loop (same op order: bit-identical results), or for a
     decoding token the batched fast path (``compute_opt``)."""
 

@@ -50,7 +50,7 @@ class LayerEvent:
 def routing_rows(events: Iterable[LayerEvent]) -> list[dict[str, Any]]:
     """The recorded routing of a run's events (``record_routing``): one ``{step, layer, topk, scores}`` row per
     layer call, the form of a benchmark's routing record and the simulator's input
-    (:func:`~specprefetch.runtime.simulator.sequences_from_record`)."""
+    (:func:`~specprefetch.runtime.simulation.simulator.sequences_from_record`)."""
     return [{"step": ev.step, "layer": ev.layer, "topk": ev.topk, "scores": ev.scores} for ev in events]
 
 

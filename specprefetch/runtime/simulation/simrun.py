@@ -7,7 +7,7 @@ with the relative error). Two kinds of inputs: this machine's window profile (``
 compute durations and transfer time (``run``), which separates the host's drift from the simulator's model.
 
 ``simulate_platform`` replays a model's routing trace (``results/traces/{model}/{workload}``) with the trained
-predictors' priorities on a platform profile (:mod:`specprefetch.runtime.platforms`) and writes runs in the
+predictors' priorities on a platform profile (:mod:`specprefetch.runtime.simulation.platforms`) and writes runs in the
 ``runs.csv`` format with ``source = simulated``.
 """
 
@@ -26,15 +26,16 @@ from tqdm import tqdm
 from specprefetch.contracts import EMULATED, RUN_COLUMNS
 from specprefetch.io import SpecPrefetchError, atomic_path
 from specprefetch.registry import runtime_providers
-from specprefetch.runtime.bench import Signature, parse_layer_budgets, plan_experiments, write_runs_csv
-from specprefetch.runtime.platforms import (
+from specprefetch.runtime.core.storage import StorageProfile, make_profile
+from specprefetch.runtime.measurement.bench import Signature, parse_layer_budgets, plan_experiments, write_runs_csv
+from specprefetch.runtime.simulation.platforms import (
     calibrate_bandwidth,
     compute_profile_of,
     nvme_profile,
     platform_m_max,
     platform_profile,
 )
-from specprefetch.runtime.simulator import (
+from specprefetch.runtime.simulation.simulator import (
     ComputeProfile,
     SimSequence,
     relative_error,
@@ -42,7 +43,6 @@ from specprefetch.runtime.simulator import (
     sequences_from_trace,
     simulate,
 )
-from specprefetch.runtime.storage import StorageProfile, make_profile
 
 log = logging.getLogger(__name__)
 
@@ -205,13 +205,13 @@ def simulate_platform(platform: str, model: str, arch: str, trace_readers: Seque
             seqs_by_policy[pol] = [s for r in trace_readers
                                    for s in sequences_from_trace(r, providers[pol](), max_samples)]
     seqs_by_policy["pred0"] = seqs_by_policy.get("specprefetch", base)
-    from specprefetch.runtime.settings import cache_capacity
+    from specprefetch.runtime.core.settings import cache_capacity
 
     capacity = cache_capacity(settings, n_layers * n_experts, top_k)
     compute = compute_profile_of(p, n_layers)
     bw = calibrate_bandwidth(p, base, capacity, n_experts, top_k, compute)
     log.info("%s: NVMe bandwidth fitted to OFF = %.3f tok/s: %.0f MB/s", platform, p["off_tokens_per_s"], bw)
-    m_max = platform_m_max(p, settings, bw, compute, n_experts)  # runtime.budget's rule or the configured one
+    m_max = platform_m_max(p, settings, bw, compute, n_experts)  # runtime.core.budget's rule or the configured one
     s = {**settings, "reference_storage": "nvme_cold"}
     plan = plan_experiments(s, m_max, [e for e in experiments if e not in ("component", "budget")])
     rows = []

@@ -12,13 +12,13 @@ Snapdragon 8 Elite (paper §4.1, §4.4, Figure 1a, Table 4), running 4-bit DeepS
 - PRED0 costs -0.53% throughput (Table 4) -> ~0.13 ms of prediction per MoE layer;
 - NVMe latency 0.1 ms; its effective bandwidth is the one unknown and is fitted so that the simulated OFF
   throughput on the model's routing trace equals Table 4's 3.753 tok/s (:func:`calibrate_bandwidth`); the
-  emulated slower profiles use ``runtime.storage``'s table at 1.94 MB per expert.
+  emulated slower profiles use ``runtime.core.storage``'s table at 1.94 MB per expert.
 
 Every other number the simulator reports for this platform (PRED0, SpecPrefetch, Naive, the M_max sweep, the
 storage profiles, ReadyRecall) is a prediction, to be compared with Tables 4-5 and Figures 4-5.
 
 Its budget (:func:`platform_m_max`) is ``device.simulator.m_max``: an integer, or ``auto`` -- the window rule of
-:mod:`~specprefetch.runtime.budget` applied to the platform itself, as ``profile_window`` applies it to this
+:mod:`~specprefetch.runtime.core.budget` applied to the platform itself, as ``profile_window`` applies it to this
 machine: the window ``W_l = t_exec(l+1) - t_pred(l) - stall_l`` of the compute profile above (the time from the end
 of prediction to the next layer: post-prediction, MoE compute and the gap, 10.66 ms per layer) over each storage's
 per-expert transfer time in the simulator's device model (latency + 1.94 MB / bandwidth; the fitted bandwidth on
@@ -37,9 +37,9 @@ from typing import Any
 
 from specprefetch.contracts import EMULATED
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.budget import AUTO, budget_storages, is_auto, window_budgets
-from specprefetch.runtime.simulator import ComputeProfile, SimSequence, simulate
-from specprefetch.runtime.storage import StorageProfile, make_profile
+from specprefetch.runtime.core.budget import AUTO, budget_storages, is_auto, window_budgets
+from specprefetch.runtime.core.storage import StorageProfile, make_profile
+from specprefetch.runtime.simulation.simulator import ComputeProfile, SimSequence, simulate
 
 log = logging.getLogger(__name__)
 
