@@ -1,0 +1,232 @@
+"""The statistical table diff (``specprefetch diff-tables``, ``render/diff.py``): a measured cell (mean over repeats
+with ``n`` and ``std``) is judged by Welch's t on the two means, Bonferroni over the cells judged, combined with a
+between-run allowance; a cell without ``n``/``std`` falls back to the fixed tolerance and says so. Every number here
+is built in the test (no committed file's values)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from test_render import ROOT, _run_cli
+
+from specprefetch.render.cells import Cell, TableDoc, t_quantile
+from specprefetch.render.diff import (
+    BETWEEN_RUN,
+    FAMILY_LEVEL,
+    Allowance,
+    DiffError,
+    Tolerances,
+    diff_docs,
+    t_ppf,
+    t_sf,
+    welch,
+)
+
+CONFIG = str(ROOT / "config" / "config.yaml")
+
+
+def measured(cid: str, quantity: str, mean: float, ci: float | None, n: int | None = 6) -> Cell:
+    """A device cell as the renderer writes it: ``mean ± ci`` (the 95 % half-width of the table's text), with the
+    std that gives that half-width over ``n`` repeats; ``ci=None``: a cell without n/std (one repeat, old JSON)."""
+    if ci is None:
+        return Cell(cid, quantity, mean, {"policy": cid.split("/")[0]})
+    assert n is not None
+    if n == 1:  # one repeat: the renderer writes std 0 and a CI of zero width
+        return Cell(cid, quantity, mean, {"policy": cid.split("/")[0]}, std=0.0, n=1, lo=mean, hi=mean)
+    std = ci * math.sqrt(n) / t_quantile(n - 1)
+    return Cell(cid, quantity, mean, {"policy": cid.split("/")[0]}, std=std, n=n, lo=mean - ci, hi=mean + ci)
+
+
+def write(d: Path, cells: list[Cell], name: str = "table5_matched") -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    TableDoc(name, name, "embedded", cells).write(d / f"{name}.json")
+    return d
+
+
+def old_rule(tmp_path: Path) -> str:
+    """config.yaml's tolerances with the statistical test switched off (``between_run: false``): the old rule."""
+    tol = yaml.safe_load(Path(CONFIG).read_text())["render"]["tolerances"]
+    for entry in tol["default"].values():
+        entry["between_run"] = False
+    path = tmp_path / "old_rule.yaml"
+    path.write_text(yaml.safe_dump({"render": {"tolerances": tol}}))
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------------- the four cases
+
+
+def test_a_halved_gain_fails_where_the_fixed_tolerance_passed(tmp_path: Path) -> None:
+    old = write(tmp_path / "old", [measured("SpecPrefetch/gain_slow", "gain", 11.5, 1.5)])
+    new = write(tmp_path / "new", [measured("SpecPrefetch/gain_slow", "gain", 5.7, 1.5)])
+    rc, out = _run_cli("diff-tables", str(old), str(new), "--tolerances", old_rule(tmp_path))
+    assert rc == 0 and "gain tolerance ±10 abs" in out, out  # the old ±10 pp let it through
+    rc, out = _run_cli("diff-tables", str(old), str(new), "--config", CONFIG)
+    assert rc == 1, out
+    line = next(x for x in out.splitlines() if "SpecPrefetch/gain_slow" in x)
+    assert line.startswith("  FAIL  SpecPrefetch/gain_slow: 11.5 ± 1.5 (n=6) -> 5.7 ± 1.5 (n=6): Δ -5.8"), line
+    assert "outside ±" in line and "gain by CI: Welch t" in line and "between-run ±2 (2 abs or 15% rel)" in line
+    assert "rule: 1 measured cell(s) judged by Welch's t" in out and "95% family-wise" in out
+
+
+def test_b_gains_that_differ_by_what_their_cis_allow_pass(tmp_path: Path) -> None:
+    old = write(tmp_path / "old", [measured("SpecPrefetch/gain_cold", "gain", 38.3, 4.0)])
+    new = write(tmp_path / "new", [measured("SpecPrefetch/gain_cold", "gain", 34.0, 4.5)])
+    rc, out = _run_cli("diff-tables", str(old), str(new), "--config", CONFIG)
+    assert rc == 0 and "RESULT: OK (0 failure(s), 1 move(s) within tolerance)" in out, out
+    assert "ok    SpecPrefetch/gain_cold: 38.3 ± 4 (n=6) -> 34 ± 4.5 (n=6): Δ -4.3" in out and "within ±" in out
+    # with no between-run allowance at all the CIs alone still allow it (|t| = 1.4 on ~10 df)
+    w = welch(measured("x", "gain", 38.3, 4.0), measured("x", "gain", 34.0, 4.5), 0.95, Allowance())
+    assert w.passes and abs(w.diff) / w.se == pytest.approx(1.84, abs=0.01) and 9.5 < w.df < 10.5
+
+
+def test_c_a_table_against_itself_passes(tmp_path: Path) -> None:
+    cells = [measured("OFF/throughput", "throughput", 7.7, 0.6), measured("SpecPrefetch/gain", "gain", 38.3, 4.0),
+             measured("SpecPrefetch/ready_recall", "ready_recall", 45.6, 3.4),
+             Cell("peak_m_max", "m_max", 16.0), measured("FATE/gain", "gain", 11.1, None)]
+    d = write(tmp_path / "t", cells)
+    rc, out = _run_cli("diff-tables", str(d), str(d), "--config", CONFIG)
+    assert rc == 0 and "table5_matched: 5 cells, identical" in out, out
+    assert "RESULT: OK (0 failure(s), 0 move(s) within tolerance)" in out
+    assert "rule: 3 measured cell(s)" in out  # identical cells count in the family
+
+
+def test_d_a_measured_cell_without_n_or_std_falls_back_and_says_so(tmp_path: Path) -> None:
+    old = write(tmp_path / "old", [measured("SpecPrefetch/gain_slow", "gain", 11.5, 1.5),
+                                   measured("FATE/gain_cold", "gain", 38.3, 4.0)])
+    new = write(tmp_path / "new", [measured("SpecPrefetch/gain_slow", "gain", 5.7, None),
+                                   measured("FATE/gain_cold", "gain", 20.0, 4.0, n=1)])
+    rc, out = _run_cli("diff-tables", str(old), str(new), "--config", CONFIG)
+    assert rc == 1, out
+    assert ("ok    SpecPrefetch/gain_slow: 11.5 -> 5.7 (-5.8, -50.4%; gain tolerance ±10 abs; no n/std in NEW: "
+            "fixed tolerance)") in out
+    assert "FAIL  FATE/gain_cold: 38.3 -> 20 (-18.3, -47.8%; gain tolerance ±10 abs; n = 1 in NEW: fixed tolerance)" \
+        in out
+    assert "rule:" not in out  # no cell was judged by the test
+
+
+# ------------------------------------------------------------------------------------------------- host drift, scope
+
+
+def test_throughput_is_judged_with_the_host_drift_allowance(tmp_path: Path) -> None:
+    """An absolute throughput moves with the host (a 30 % faster host moves every one) far beyond its within-run CI:
+    within the stated relative allowance it passes; a halving fails; pure Welch would fail the honest move."""
+    old = write(tmp_path / "old", [measured("OFF/throughput", "throughput", 7.68, 0.2),
+                                   measured("All resident/throughput", "throughput", 24.9, 0.5)], "table4_overhead")
+    new = write(tmp_path / "new", [measured("OFF/throughput", "throughput", 3.8, 0.2),
+                                   measured("All resident/throughput", "throughput", 24.9 * 1.3, 0.5)],
+                "table4_overhead")
+    rc, out = _run_cli("diff-tables", str(old), str(new), "--config", CONFIG)
+    assert rc == 1 and "RESULT: FAIL (1 failure(s), 1 move(s) within tolerance)" in out, out
+    assert "FAIL  OFF/throughput: 7.68" in out and "ok    All resident/throughput: 24.9" in out
+    assert "between-run ±" in out and "(35% rel)" in out
+    pure = welch(measured("x", "throughput", 24.9, 0.5), measured("x", "throughput", 24.9 * 1.3, 0.5), 0.95,
+                 Allowance())
+    assert not pure.passes  # the within-run CIs alone cannot see the host
+
+
+def test_where_the_between_run_allowance_comes_from(tmp_path: Path) -> None:
+    tol = Tolerances()
+    assert tol.get("table4_overhead", "gain").between_run == BETWEEN_RUN["gain"] == Allowance(2.0, 0.15)
+    for exact in ("recall", "params", "m_max", "cosine"):
+        assert tol.get("table1_recall", exact).between_run is None, exact
+    spec = {"default": {"gain": {"abs": 10.0, "between_run": {"abs": 1.0}}},
+            "table4_overhead": {"gain": {"abs": 5.0, "between_run": False}, "throughput": {"rel": 0.2}},
+            "table1_recall": {"recall": {"abs": 0.5, "between_run": {"abs": 0.0}}}}
+    tol = Tolerances(spec)
+    assert tol.get("table5_matched", "gain").between_run == Allowance(1.0, 0.0)  # default's
+    assert tol.get("table4_overhead", "gain").between_run is None  # the table's false: fixed only
+    assert tol.get("table4_overhead", "gain").abs == 5.0
+    assert tol.get("table4_overhead", "throughput").between_run == BETWEEN_RUN["throughput"]  # built-in
+    assert tol.get("table1_recall", "recall").between_run == Allowance()  # seed CIs judged by the test
+    assert Allowance(2.0, 0.15).at(40.0, -2.0) == pytest.approx(6.0)  # the larger magnitude: symmetric
+    assert Allowance(2.0, 0.15).at(-2.0, 40.0) == Allowance(2.0, 0.15).at(40.0, -2.0)
+    # recall is not judged by its seed CI unless asked: a rerun with the same seeds reproduces it exactly
+    old = write(tmp_path / "old", [measured("M/OCR/ProMoE/R@6", "recall", 86.9, 1.0, n=3)], "table1_recall")
+    new = write(tmp_path / "new", [measured("M/OCR/ProMoE/R@6", "recall", 87.7, 1.0, n=3)], "table1_recall")
+    rc, out = _run_cli("diff-tables", str(old), str(new), "--config", CONFIG)
+    assert rc == 1 and "recall tolerance ±0.5 abs)" in out, out
+    tol_file = tmp_path / "tol.yaml"
+    tol_file.write_text(yaml.safe_dump({"tolerances": spec}))
+    rc, out = _run_cli("diff-tables", str(old), str(new), "--tolerances", str(tol_file))
+    assert rc == 0 and "recall by CI: Welch t" in out, out
+
+
+def test_ignore_wins_over_the_test(tmp_path: Path) -> None:
+    old = write(tmp_path / "old", [measured("SpecPrefetch/gain", "gain", 11.5, 0.5)])
+    new = write(tmp_path / "new", [measured("SpecPrefetch/gain", "gain", 1.0, 0.5)])
+    rc, out = _run_cli("diff-tables", str(old), str(new), "--config", str(ROOT / "config" / "smoke.yaml"))
+    assert rc == 0 and "gain tolerance ignored" in out and "rule:" not in out, out
+
+
+def test_bonferroni_over_the_cells_judged(tmp_path: Path) -> None:
+    """The per-cell level is 1 - 0.05 / (cells judged): the same move that passes alone can fail with fewer cells
+    and pass with more, and the t quantile used is Welch's at that level."""
+    a, b = measured("G/gain", "gain", 20.0, 3.0), measured("G/gain", "gain", 27.0, 3.0)
+    one = diff_docs({"t": TableDoc("t", "", "", [a])}, {"t": TableDoc("t", "", "", [b])}, Tolerances())
+    fillers = [measured(f"F{i}/throughput", "throughput", 5.0, 0.1) for i in range(49)]
+    many = diff_docs({"t": TableDoc("t", "", "", [a, *fillers])}, {"t": TableDoc("t", "", "", [b, *fillers])},
+                     Tolerances())
+    assert (one.n_judged, many.n_judged) == (1, 50)
+    assert one.cell_level == pytest.approx(FAMILY_LEVEL) and many.cell_level == pytest.approx(1 - 0.05 / 50)
+    w1, w50 = one.moves[0].judged, many.moves[0].judged
+    assert w1 is not None and w50 is not None and w1.df == pytest.approx(w50.df)
+    assert w1.t == pytest.approx(t_ppf(1 - 0.05 / 2, w1.df)) and w50.t == pytest.approx(t_ppf(1 - 0.05 / 100, w1.df))
+    assert one.failed and not many.failed  # |Δ| 7 against ±5.5 and ±8.6
+
+
+def test_t_distribution_matches_the_tables() -> None:
+    for df in range(1, 31):
+        assert t_ppf(0.975, df) == pytest.approx(t_quantile(df), abs=2e-3), df
+    assert t_ppf(0.995, 10) == pytest.approx(3.1693, abs=1e-4)
+    assert t_ppf(0.9995, 5) == pytest.approx(6.8688, abs=1e-4)
+    assert t_ppf(0.975, 1e7) == pytest.approx(1.95996, abs=1e-4)
+    assert t_sf(0.0, 7.3) == pytest.approx(0.5) and t_sf(-2.0, 4) == pytest.approx(1 - t_sf(2.0, 4))
+    assert t_sf(t_ppf(0.99, 6.4), 6.4) == pytest.approx(0.01, rel=1e-9)
+    with pytest.raises(ValueError):
+        t_ppf(0.4, 3)
+
+
+def test_honest_reruns_fail_at_the_stated_rate_and_a_halving_is_caught() -> None:
+    """Calibration: two honest runs of one quantity (same mean, n = 6 each) fail the per-cell test at 95 % about
+    5 % of the time without a between-run allowance; a halved 11.5 pp gain with ~1.5 pp CIs fails in a diff of 70
+    measured cells (Bonferroni) about 83 % of the time (the point estimate: |Δ| 5.75 against ±4.5; the rest are
+    draws whose std came out large)."""
+    rng = np.random.default_rng(0)
+    fails = halved = 0
+    trials = 3000
+    for _ in range(trials):
+        x, y, z = rng.normal(11.5, 1.4, 6), rng.normal(11.5, 1.4, 6), rng.normal(5.75, 1.4, 6)
+        cx, cy, cz = (Cell("g", "gain", float(v.mean()), std=float(v.std(ddof=1)), n=6) for v in (x, y, z))
+        fails += not welch(cx, cy, 0.95, Allowance()).passes
+        halved += not welch(cx, cz, 1 - 0.05 / 70, BETWEEN_RUN["gain"]).passes
+    assert 0.035 < fails / trials < 0.065, fails / trials
+    assert halved / trials > 0.8, halved / trials
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+
+
+def test_bad_tolerances_and_cells_are_one_clear_line(tmp_path: Path) -> None:
+    good = write(tmp_path / "old", [measured("SpecPrefetch/gain", "gain", 11.5, 1.5)])
+    for i, (spec, expect) in enumerate([
+            ({"default": {"gain": {"abs": 10, "between_run": {"rel": -1}}}}, "between_run"),
+            ({"default": {"gain": {"abs": 10, "between_run": True}}}, "between_run"),
+            ({"default": {"gain": {"abs": 10, "between_run": {"relative": 0.1}}}}, "between_run")]):
+        path = tmp_path / f"tol{i}.yaml"
+        path.write_text(yaml.safe_dump({"render": {"tolerances": spec}}))
+        rc, out = _run_cli("diff-tables", str(good), str(good), "--tolerances", str(path))
+        errors = [x for x in out.splitlines() if x.startswith("specprefetch ")]
+        assert rc == 2 and len(errors) == 1 and f"{path}: tolerances" in errors[0] and expect in errors[0], out
+        assert "Traceback" not in out
+    bad = write(tmp_path / "bad", [Cell("SpecPrefetch/gain", "gain", 5.7, std=-1.0, n=6)])
+    rc, out = _run_cli("diff-tables", str(good), str(bad), "--config", CONFIG)
+    errors = [x for x in out.splitlines() if x.startswith("specprefetch ")]
+    assert rc == 2 and len(errors) == 1 and "Traceback" not in out, out
+    assert f"{bad}: table table5_matched: cell 'SpecPrefetch/gain': std -1.0 is not a standard deviation" in errors[0]
+    with pytest.raises(DiffError, match="tolerances"):
+        Tolerances({"default": {"gain": {"between_run": {"abs": "x"}}}})
