@@ -230,3 +230,36 @@ def test_bad_tolerances_and_cells_are_one_clear_line(tmp_path: Path) -> None:
     assert f"{bad}: table table5_matched: cell 'SpecPrefetch/gain': std -1.0 is not a standard deviation" in errors[0]
     with pytest.raises(DiffError, match="tolerances"):
         Tolerances({"default": {"gain": {"between_run": {"abs": "x"}}}})
+
+
+# ------------------------------------------------------------------------------------------------- the sweep's argmax
+
+
+def sweep(tp: dict[int, tuple[float, float]], peak: int) -> list[Cell]:
+    """Figure 4's cells: throughput ± CI per M_max, and the argmax ``peak_m_max``."""
+    return [*(measured(f"M{m}/throughput", "throughput", v, ci) for m, (v, ci) in tp.items()),
+            Cell("peak_m_max", "m_max", float(peak))]
+
+
+def test_the_sweeps_argmax_may_move_within_a_tie_but_not_past_one(tmp_path: Path) -> None:
+    """``peak_m_max`` is the argmax of noisy means: it may move between two budgets that are a tie by their CIs in
+    both renderings (a flat peak), not to a budget that is clearly faster or slower; without the points' n/std it is
+    compared exactly."""
+    flat_old = {4: (11.06, 0.35), 8: (11.04, 0.48), 16: (11.12, 0.46)}
+    flat_new = {4: (8.71, 0.14), 8: (8.64, 0.13), 16: (8.60, 0.13)}
+    old = write(tmp_path / "old", sweep(flat_old, 16), "fig4_budget")
+    new = write(tmp_path / "new", sweep(flat_new, 4), "fig4_budget")
+    rc, out = _run_cli("diff-tables", str(old), str(new), "--config", CONFIG)
+    assert rc == 0, out
+    assert "ok    peak_m_max: 16 -> 4 (the sweep's argmax, a tie by CI in both: OLD M16/throughput 11.12" in out
+    steep_new = {4: (10.1, 0.14), 8: (10.6, 0.13), 16: (12.4, 0.13)}  # NEW clearly peaks at 16 ...
+    steep_old = {4: (12.4, 0.14), 8: (10.6, 0.13), 16: (10.1, 0.13)}  # ... where OLD clearly peaked at 4
+    old = write(tmp_path / "old2", sweep(steep_old, 4), "fig4_budget")
+    new = write(tmp_path / "new2", sweep(steep_new, 16), "fig4_budget")
+    rc, out = _run_cli("diff-tables", str(old), str(new), "--config", CONFIG)
+    assert rc == 1 and "FAIL  peak_m_max: 4 -> 16 (the sweep's argmax, not a tie by CI: OLD M4/throughput" in out, out
+    bare = {m: (v, None) for m, (v, _) in flat_new.items()}
+    new = write(tmp_path / "new3", [*(measured(f"M{m}/throughput", "throughput", v, None) for m, (v, _) in
+                                      bare.items()), Cell("peak_m_max", "m_max", 4.0)], "fig4_budget")
+    rc, out = _run_cli("diff-tables", str(tmp_path / "old"), str(new), "--config", CONFIG)
+    assert rc == 1 and "FAIL  peak_m_max: 16 -> 4 (-12, -75.0%; m_max tolerance exact)" in out, out

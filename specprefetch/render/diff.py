@@ -19,8 +19,10 @@ them): ``max(abs, rel · max(|old|, |new|))``. Absolute quantities (tok/s, ms, R
 a relative allowance (35 % / 25 %: a host 30 % faster moves every throughput); gains, ratios inside one paired block,
 get max(2 pp, 15 %) (they move with the host's compute-to-transfer ratio, far less than with its speed). A cell of
 such a quantity without ``n`` >= 2 and ``std`` on both sides (one repeat, an older JSON) falls back to the fixed
-tolerance below and its line says so. Everything else (recall, deterministic given the seeds; parameter counts;
-budgets chosen by a rule) is compared with the fixed tolerances. Both come from ``render.tolerances``::
+tolerance below and its line says so. Figure 4's ``peak_m_max`` (the argmax of the sweep's mean throughputs,
+:data:`PEAKS`) may move between two budgets whose throughputs are a tie by the test in both renderings. Everything
+else (recall, deterministic given the seeds; parameter counts; budgets chosen by a rule) is compared with the fixed
+tolerances. Both come from ``render.tolerances``::
 
     render:
       tolerances:
@@ -214,6 +216,31 @@ def missing_stats(c: Cell, side: str, where: str) -> str | None:
     return None
 
 
+# Cells that are the argmax of other cells of their table (the budget sweep's fastest M_max, Figure 4): a template of
+# the cells they pick from. When the argmax moves it passes if, in OLD and in NEW alike, the throughputs at the two
+# budgets are a tie by the test (Welch, no between-run allowance: one run, one block): the sweep's peak is flat and
+# noise picked another point of it. A budget chosen by a rule (the window profile's) stays exact.
+PEAKS: dict[str, str] = {"peak_m_max": "M{}/throughput"}
+
+
+def judge_peak(cid: str, a: Cell, b: Cell, old: Mapping[str, Cell], new: Mapping[str, Cell], level: float,
+               names: tuple[str, str]) -> tuple[bool, str] | None:
+    """(a tie in both renderings, the evidence) for an argmax cell of :data:`PEAKS` whose value moved from ``a`` to
+    ``b``; None when a rendering lacks either point or its n/std (then the cell is compared exactly)."""
+    assert a.value is not None and b.value is not None
+    parts, tie = [], True
+    for side, cells, where in (("OLD", old, names[0]), ("NEW", new, names[1])):
+        x, y = cells.get(PEAKS[cid].format(int(a.value))), cells.get(PEAKS[cid].format(int(b.value)))
+        if x is None or y is None or not (_finite(x.value) and _finite(y.value)) \
+                or missing_stats(x, side, where) or missing_stats(y, side, where):
+            return None
+        w = welch(x, y, level, Allowance())
+        tie = tie and w.passes
+        parts.append(f"{side} {x.id} {_with_ci(x)} vs {y.id} {_with_ci(y)}: Δ {w.diff:+.3g} "
+                     f"{'within' if w.passes else 'outside'} ±{w.allowed:.3g}")
+    return tie, "; ".join(parts)
+
+
 # ------------------------------------------------------------------------------------------------- fixed tolerances
 
 
@@ -304,6 +331,7 @@ class Move:
     failed: bool
     judged: Welch | None = None  # the statistical test decided
     fallback: str | None = None  # a measured quantity judged by the fixed tolerance: why
+    peak: str | None = None  # an argmax cell (PEAKS) judged by its points' CIs: the evidence
 
     def line(self) -> str:
         tag = "FAIL" if self.failed else "ok  "
@@ -317,6 +345,10 @@ class Move:
         o, n = self.old.value, self.new.value
         assert o is not None and n is not None
         rel = f", {100 * (n - o) / abs(o):+.1f}%" if o else ""
+        if self.peak is not None:
+            verdict = "a tie by CI in both" if not self.failed else "not a tie by CI"
+            return f"  {tag}  {self.cell_id}: {_show(self.old)} -> {_show(self.new)} (the sweep's argmax, {verdict}: " \
+                   f"{self.peak})"
         if self.judged is not None:
             w = self.judged
             where = "within" if w.passes else "outside"
@@ -473,6 +505,10 @@ def diff_docs(old: Mapping[str, TableDoc], new: Mapping[str, TableDoc], tol: Tol
     rep.n_judged = sum(_by_test(tol.get(t, a.quantity), a, b, (f"{old_name}: table {t}", f"{new_name}: table {t}"))[0]
                        for t, _, a, b in _pairs(old, new)
                        if a is not None and b is not None and _finite(a.value) and _finite(b.value))
+    by_id = {name: (old[name].by_id(), new[name].by_id()) for name in rep.tables}
+    peaks = [(t, cid, a, b) for t, cid, a, b in _pairs(old, new) if cid in PEAKS and a is not None and b is not None
+             and _finite(a.value) and _finite(b.value) and a.value != b.value and not tol.get(t, a.quantity).ignore]
+    rep.n_judged += len(peaks)  # each moved argmax is one more test of the family
     rep.cell_level = 1.0 - (1.0 - FAMILY_LEVEL) / max(rep.n_judged, 1)
     for name, cid, a, b in _pairs(old, new):
         # a cell appearing, disappearing or becoming a dash fails, unless its quantity is ignored (e.g. the
@@ -488,6 +524,13 @@ def diff_docs(old: Mapping[str, TableDoc], new: Mapping[str, TableDoc], tol: Tol
             continue
         t = tol.get(name, a.quantity)
         assert a.value is not None and b.value is not None
+        if (name, cid, a, b) in peaks:
+            judged = judge_peak(cid, a, b, *by_id[name], rep.cell_level,
+                                (f"{old_name}: table {name}", f"{new_name}: table {name}"))
+            if judged is not None:
+                rep.moves.append(Move(name, cid, "changed", a, b, t, not judged[0], peak=judged[1]))
+                continue
+            rep.n_judged -= 1  # compared exactly after all; the level stays as computed (conservative)
         by_test, fallback = _by_test(t, a, b, (f"{old_name}: table {name}", f"{new_name}: table {name}"))
         if by_test:
             assert t.between_run is not None
