@@ -263,3 +263,6 @@ def test_the_sweeps_argmax_may_move_within_a_tie_but_not_past_one(tmp_path: Path
                                       bare.items()), Cell("peak_m_max", "m_max", 4.0)], "fig4_budget")
     rc, out = _run_cli("diff-tables", str(tmp_path / "old"), str(new), "--config", CONFIG)
     assert rc == 1 and "FAIL  peak_m_max: 16 -> 4 (-12, -75.0%; m_max tolerance exact)" in out, out
+    # with the throughputs judged by the fixed tolerance only (the old rule), the argmax is compared exactly
+    rc, out = _run_cli("diff-tables", str(tmp_path / "old"), str(tmp_path / "new"), "--tolerances", old_rule(tmp_path))
+    assert rc == 1 and "FAIL  peak_m_max: 16 -> 4 (-12, -75.0%; m_max tolerance exact)" in out, out

@@ -219,8 +219,9 @@ def missing_stats(c: Cell, side: str, where: str) -> str | None:
 # Cells that are the argmax of other cells of their table (the budget sweep's fastest M_max, Figure 4): a template of
 # the cells they pick from. When the argmax moves it passes if, in OLD and in NEW alike, the throughputs at the two
 # budgets are a tie by the test (Welch, no between-run allowance: one run, one block): the sweep's peak is flat and
-# noise picked another point of it. A budget chosen by a rule (the window profile's) stays exact.
-PEAKS: dict[str, str] = {"peak_m_max": "M{}/throughput"}
+# noise picked another point of it (when the points' quantity is judged by the test at all: without `between_run`
+# the argmax is compared exactly). A budget chosen by a rule (the window profile's) stays exact.
+PEAKS: dict[str, tuple[str, str]] = {"peak_m_max": ("M{}/throughput", "throughput")}  # template, quantity
 
 
 def judge_peak(cid: str, a: Cell, b: Cell, old: Mapping[str, Cell], new: Mapping[str, Cell], level: float,
@@ -230,7 +231,7 @@ def judge_peak(cid: str, a: Cell, b: Cell, old: Mapping[str, Cell], new: Mapping
     assert a.value is not None and b.value is not None
     parts, tie = [], True
     for side, cells, where in (("OLD", old, names[0]), ("NEW", new, names[1])):
-        x, y = cells.get(PEAKS[cid].format(int(a.value))), cells.get(PEAKS[cid].format(int(b.value)))
+        x, y = cells.get(PEAKS[cid][0].format(int(a.value))), cells.get(PEAKS[cid][0].format(int(b.value)))
         if x is None or y is None or not (_finite(x.value) and _finite(y.value)) \
                 or missing_stats(x, side, where) or missing_stats(y, side, where):
             return None
@@ -507,7 +508,8 @@ def diff_docs(old: Mapping[str, TableDoc], new: Mapping[str, TableDoc], tol: Tol
                        if a is not None and b is not None and _finite(a.value) and _finite(b.value))
     by_id = {name: (old[name].by_id(), new[name].by_id()) for name in rep.tables}
     peaks = [(t, cid, a, b) for t, cid, a, b in _pairs(old, new) if cid in PEAKS and a is not None and b is not None
-             and _finite(a.value) and _finite(b.value) and a.value != b.value and not tol.get(t, a.quantity).ignore]
+             and _finite(a.value) and _finite(b.value) and a.value != b.value and not tol.get(t, a.quantity).ignore
+             and tol.get(t, PEAKS[cid][1]).between_run is not None]  # its points are judged by the test
     rep.n_judged += len(peaks)  # each moved argmax is one more test of the family
     rep.cell_level = 1.0 - (1.0 - FAMILY_LEVEL) / max(rep.n_judged, 1)
     for name, cid, a, b in _pairs(old, new):
