@@ -169,7 +169,7 @@ def test_platform_budget_from_the_window_rule_or_the_config() -> None:
     from specprefetch.runtime.simulation.platforms import platform_m_max
 
     p, comp = _phone()
-    s = _settings(simulator={"m_max": 8}, storages=["nvme_cold", "ram", "nvme", "ufs"])
+    s = _settings(simulator={"m_max": 8}, storages=["nvme_cold", "ram", "nvme", "ufs"], emulation="bandwidth")
     assert platform_m_max(p, s, 600.0, comp, 64) == 8
     auto = {**s, "simulator": {**s["simulator"], "m_max": "auto"}}
     w = (1 - 0.52) / 3.753 / 12 * 1e3  # ms per decoder layer: 48 % of 266.5 ms over 12 layers
@@ -179,6 +179,9 @@ def test_platform_budget_from_the_window_rule_or_the_config() -> None:
               "ufs": math.floor(w / (0.12 + 1.94e6 / 2100e6 * 1e3))}                # 1.04 ms -> 10
     assert expect == {"nvme_cold": 9, "slow_ufs": 4, "ram": 64, "nvme": 19, "ufs": 10}
     assert platform_m_max(p, auto, 1940.0, comp, 64) == expect
+    # the delay emulation adds to the phone's own NVMe read (1.1 ms): no emulated device is faster than it
+    delay = {**auto, "emulation": "delay"}
+    assert platform_m_max(p, delay, 1940.0, comp, 64) == {**expect, "nvme": 9, "ufs": 9}
     with pytest.raises(BudgetError, match=r"device.simulator.m_max"):
         platform_m_max(p, {**s, "simulator": {"m_max": "eight"}}, 600.0, comp, 64)
 

@@ -340,8 +340,9 @@ def test_a_storage_added_in_one_place_reaches_config_and_figure5(tmp_path: Path,
     cfg["device"]["storage_profiles"].pop("emmc", None)
     validate_config(cfg)
     assert cfg["device"]["storage_profiles"]["emmc"] == {"bandwidth_mbps": 250.0, "latency_ms": 0.3}
-    prof = make_profile("emmc", cfg["device"], 1_000_000)
+    prof = make_profile("emmc", cfg["device"], 1_000_000, 1.0)  # the delay emulation over a 1 ms physical read
     assert (prof.kind, prof.bandwidth_mbps, prof.latency_ms) == ("emulated", 250.0, 0.3)
+    assert prof.delay_ms == pytest.approx(0.3 + 1e6 / 250e6 * 1e3 - 1.0)
 
     runs = _runs_rows()
     slow = runs[(runs["experiment"] == "storage") & (runs["storage"] == "sdcard")].copy()

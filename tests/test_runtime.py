@@ -118,7 +118,7 @@ def run_policy(s: dict[str, Any], policy: str, storage: str = "ram", m_max: int 
                io_workers: int = 2, record: bool = False,
                layer_m_max: tuple[int, ...] = ()) -> tuple[torch.Tensor, OffloadedRuntime]:
     store = s["store"]
-    prof = make_profile(storage, _device(), store.layout.payload_bytes)
+    prof = make_profile(storage, _device(emulation="bandwidth"), store.layout.payload_bytes)
     reader = ExpertReader(store, prof, faults=faults, verify=True)
     cap = capacity or 2 * s["spec"].top_k + m_max
     opts = RuntimeOptions(policy=policy, m_max=m_max, capacity=cap, compute_opt=compute_opt, io_workers=io_workers,
@@ -232,7 +232,7 @@ def test_prefill_loads_take_no_emulated_delay(setup: dict[str, Any]) -> None:
     assert any(tokens_of_step[tr.step] > 1 for tr in log) and any(tokens_of_step[tr.step] == 1 for tr in log)
     assert all(tr.charged == (tokens_of_step[tr.step] == 1) for tr in log)
     store = setup["store"]
-    reader = ExpertReader(store, make_profile("sdcard", _device(), store.layout.payload_bytes))
+    reader = ExpertReader(store, make_profile("sdcard", _device(emulation="bandwidth"), store.layout.payload_bytes))
     try:
         buf = torch.empty(store.record_bytes, dtype=torch.uint8)
         reader.read(0, 1, buf, charged=False)
@@ -725,7 +725,7 @@ def test_bandwidth_model_and_profiles() -> None:
     overlap; a demand request overtakes the prefetches that have not started their data phase."""
     from specprefetch.runtime.core.storage import BandwidthModel, StorageError
 
-    p = make_profile("slow_ufs", _device(), 1_000_000)
+    p = make_profile("slow_ufs", _device(emulation="bandwidth"), 1_000_000)
     assert p.charged_bytes == 1_000_000
     data, lat = 1e6 / 850e6, 0.20e-3
     assert p.transfer_s() == pytest.approx(lat + data)
@@ -751,7 +751,7 @@ def test_emulated_load_reads_its_bytes_and_is_on_time(setup: dict[str, Any]) -> 
     import time
 
     store = setup["store"]
-    prof = make_profile("sdcard", _device(), store.layout.payload_bytes)
+    prof = make_profile("sdcard", _device(emulation="bandwidth"), store.layout.payload_bytes)
     reader = ExpertReader(store, prof, verify=True)
     try:
         reader.prepare_run()

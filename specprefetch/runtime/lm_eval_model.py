@@ -37,7 +37,7 @@ from specprefetch.contracts import POLICY
 from specprefetch.io import SpecPrefetchError, atomic_path
 from specprefetch.runtime.core.engine import OffloadedRuntime, RuntimeOptions
 from specprefetch.runtime.core.paper_scale import install_store_experts, match_store
-from specprefetch.runtime.core.storage import ExpertReader, make_profile
+from specprefetch.runtime.core.storage import ExpertReader, make_profile, physical_read_ms
 from specprefetch.runtime.core.store import find_moe_blocks
 
 log = logging.getLogger(__name__)
@@ -94,8 +94,9 @@ class OffloadedLM(HFLM):
             capacity = cache_capacity(settings, expert_store.total_experts,
                                       spec.top_k)
         lm = language_model(bundle.model)
-        self.reader = ExpertReader(expert_store, make_profile(storage, settings,
-                                                              expert_store.layout.payload_bytes))
+        self.reader = ExpertReader(expert_store, make_profile(
+            storage, settings, expert_store.layout.payload_bytes,
+            lambda: physical_read_ms(expert_store, settings)))
         if m_max is None:
             m_max = default_m_max(settings, storage, window, model)
         opts = RuntimeOptions(policy=policy, m_max=int(m_max), capacity=int(capacity),

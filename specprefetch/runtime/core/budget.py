@@ -166,3 +166,13 @@ def layer_budget(m_max: int, layer_m_max: Sequence[int], layer: int) -> int:
 
 __all__ = ["AUTO", "RULE", "BudgetError", "RunBudget", "budget_storages", "derive_m_max", "has_budget", "is_auto",
            "layer_budget", "layer_budgets", "read_window_profile", "run_budget", "storage_budgets", "window_budgets"]
+
+
+def profiled_physical_ms(profile: dict[str, Any]) -> float:
+    """The window profile's isolated cold read of one record (what its ``delay`` emulation's delays add to)."""
+    cold = (profile.get("transfer_ms") or {}).get("nvme_cold") or {}
+    ms = cold.get("transfer_ms")
+    if not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms < 0:
+        raise SpecPrefetchError("profile.json has no measured nvme_cold transfer_ms: the delay emulation adds to the "
+                                "physical read, so nvme_cold must be profiled")
+    return float(ms)

@@ -14,10 +14,21 @@ Profiles (the ``storage`` column of ``runs.csv``):
   read; the mode used is recorded (``cold_read_mode``).
 - ``ram``: the experts mirrored in host memory (pinned on CUDA): a load is a memory copy (the classic
   CPU-offload setting).
-- emulated ``nvme``, ``ufs``, ``slow_ufs``, ``sdcard``: a device of the given sequential-read bandwidth and
-  per-request latency (:class:`BandwidthModel`), as the paper emulates slower storage by controlled loading delays
-  per load. The load reads the real bytes it delivers (from the page cache: the CPU and memory traffic of a read)
-  and completes when the device model says: it sleeps, then yields the CPU (``sched_yield``) for the last
+- emulated ``nvme``, ``ufs``, ``slow_ufs``, ``sdcard``: a slower device of the given sequential-read bandwidth and
+  per-request latency, in one of two emulations (``device.emulation``):
+
+  - ``delay`` (the paper's: "controlled loading delays", default): every load is a real cold read from the physical
+    disk (as ``nvme_cold``) followed by a controlled delay of its own. The delay is what the datasheet device needs
+    for this record beyond what this host's disk took: ``delay = max(0, latency + payload / bandwidth - t_phys)``,
+    with ``t_phys`` the median isolated cold read of one record measured on this host (the window profile's, or
+    measured when the reader is made: :func:`physical_read_ms`). Concurrent loads overlap their delays (no shared
+    queue beyond the physical disk's own), so the emulation tests sensitivity to storage latency, as the paper's
+    Figure 5 says it does, not bandwidth contention.
+  - ``bandwidth``: a shared device (:class:`BandwidthModel`): each load occupies the device's bandwidth for
+    ``payload / bandwidth`` in turn and completes ``latency`` after that; the load reads the real bytes it delivers
+    from the page cache (the CPU and memory traffic of a read).
+
+  Either way a load completes when the emulation says: it sleeps, then yields the CPU (``sched_yield``) for the last
   ``SPIN_S`` so that it is on time (the overshoot is measured by ``profile-window`` and reported).
 
 Emulated devices (defaults of ``device.storage_profiles``; sequential read from the vendors' datasheets, the
@@ -35,9 +46,10 @@ sdcard      90               1.00        microSD UHS-I (bus limit 104 MB/s; A2 c
 A load's time is ``latency + payload_bytes / bandwidth`` with the store's real payload: nothing is scaled to a
 target ratio, so the window-to-transfer ratio that decides prefetching is the measured one.
 
-Demand loads go first at the device: a demand load issued while prefetches wait for the device's bandwidth is
-served before every prefetch whose data phase has not started (those move back); a data phase already under way
-is not interrupted.
+Under ``device.io_order: demand_first`` (the default) demand loads go first at the modelled device: a demand load
+issued while prefetches wait for the device's bandwidth is served before every prefetch whose data phase has not
+started (those move back); a data phase already under way is not interrupted. Under ``fifo`` requests are served in
+the order they were issued.
 
 Loads issued during prefill (a step of several tokens) are not held back: the benchmarks measure decoding
 throughput, which excludes prefill. The runtime and the simulator both start charging at the first decoding
@@ -47,14 +59,16 @@ step; ``nvme_cold`` reads are physical throughout.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import random
+import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -76,7 +90,8 @@ class StorageError(SpecPrefetchError):
 
 @dataclass(frozen=True)
 class StorageProfile:
-    """One storage setting: kind ('physical', 'ram', 'emulated') and, if emulated, its device model."""
+    """One storage setting: kind ('physical', 'ram', 'emulated') and, if emulated, its device model and emulation
+    ('bandwidth': a shared :class:`BandwidthModel`; 'delay': a physical read plus ``delay_ms``)."""
 
     name: str
     kind: str
@@ -84,13 +99,31 @@ class StorageProfile:
     latency_ms: float = 0.0
     charged_bytes: float = 0.0   # bytes each expert load moves (the store's payload)
     cold_each_read: bool = True  # nvme_cold fallback: evict a record's pages right after reading it
+    emulation: str = "bandwidth"
+    delay_ms: float = 0.0        # 'delay': added after each load's physical read
+    demand_first: bool = True    # device.io_order: a demand load goes before queued prefetches (False: FIFO)
 
     @property
     def emulated(self) -> bool:
         return self.kind == "emulated"
 
+    @property
+    def delayed(self) -> bool:
+        """An emulated device in the paper's emulation: a physical read plus a controlled delay per load."""
+        return self.emulated and self.emulation == "delay"
+
+    @property
+    def modelled(self) -> bool:
+        """Its loads' times come from a shared :class:`BandwidthModel` (the ``bandwidth`` emulation)."""
+        return self.emulated and self.emulation == "bandwidth"
+
+    @property
+    def reads_disk(self) -> bool:
+        """Every load is a cold read from the physical disk (``nvme_cold`` and the ``delay`` emulation)."""
+        return self.kind == "physical" or self.delayed
+
     def transfer_s(self, nbytes: float | None = None) -> float:
-        """Modelled time of one isolated load (emulated profiles); 0 for the others (they are measured)."""
+        """The datasheet time of one isolated load (emulated profiles); 0 for the others (they are measured)."""
         if not self.emulated:
             return 0.0
         b = self.charged_bytes if nbytes is None else nbytes
@@ -99,19 +132,40 @@ class StorageProfile:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "bandwidth_mbps": self.bandwidth_mbps,
                 "latency_ms": self.latency_ms, "charged_bytes": self.charged_bytes,
-                "transfer_ms": self.transfer_s() * 1e3}
+                "transfer_ms": self.transfer_s() * 1e3, "emulation": self.emulation if self.emulated else None,
+                "delay_ms": self.delay_ms if self.delayed else None}
 
 
-def make_profile(name: str, device_cfg: dict[str, Any], payload_bytes: int = 0) -> StorageProfile:
-    """The profile ``name`` with the resolved ``device`` section's numbers (``storage_profiles``)."""
+def emulation_delay_ms(profile: StorageProfile, physical_ms: float) -> float:
+    """The ``delay`` emulation's per-load delay: the extra time the datasheet device needs for this record beyond the
+    physical read it adds to (``physical_ms``, an isolated cold read of one record on this host), at least 0."""
+    if not (physical_ms >= 0 and math.isfinite(physical_ms)):
+        raise StorageError(f"{profile.name}: the physical read time the delay is derived from must be a finite "
+                           f"number >= 0 ms (got {physical_ms})")
+    return max(0.0, profile.transfer_s() * 1e3 - physical_ms)
+
+
+def delayed_device(physical: StorageProfile, profile: StorageProfile) -> StorageProfile:
+    """The ``delay`` emulation of ``profile`` as a device model (the simulator's): the physical disk's model with the
+    per-load delay added to its pipelined latency (concurrent loads overlap their delays, not their data)."""
+    return replace(physical, name=profile.name, latency_ms=physical.latency_ms + profile.delay_ms,
+                   demand_first=profile.demand_first)
+
+
+def make_profile(name: str, device_cfg: dict[str, Any], payload_bytes: int = 0,
+                 physical_ms: float | Callable[[], float] | None = None) -> StorageProfile:
+    """The profile ``name`` with the resolved ``device`` section's numbers (``storage_profiles``, ``emulation``,
+    ``io_order``). An emulated profile under the ``delay`` emulation needs ``physical_ms`` (or a function that
+    measures it, called only then): the isolated cold read of one record on this host, which its delay adds to."""
     cfg = device_cfg
     if name not in STORAGES:
         raise StorageError(f"unknown storage profile {name!r}; known: {', '.join(STORAGES)}")
     kind = registry.storage(name).kind
+    demand_first = cfg.get("io_order", "demand_first") == "demand_first"
     if kind == "physical":
-        return StorageProfile(name, "physical", cold_each_read=bool(cfg["cold_each_read"]))
+        return StorageProfile(name, "physical", cold_each_read=bool(cfg["cold_each_read"]), demand_first=demand_first)
     if kind == "ram":
-        return StorageProfile(name, "ram")
+        return StorageProfile(name, "ram", demand_first=demand_first)
     if name not in cfg["storage_profiles"]:
         raise StorageError(f"invalid config key 'device.storage_profiles': no numbers for emulated storage {name!r} "
                            "(the schema's defaults are filled in by config.validate_config)")
@@ -120,7 +174,15 @@ def make_profile(name: str, device_cfg: dict[str, Any], payload_bytes: int = 0) 
     if bw <= 0 or lat < 0:
         raise StorageError(f"invalid config key 'device.storage_profiles.{name}': bandwidth_mbps must be > 0 "
                            f"and latency_ms >= 0 (got {bw}, {lat})")
-    return StorageProfile(name, "emulated", bw, lat, float(payload_bytes))
+    emulation = str(cfg.get("emulation", "bandwidth"))
+    prof = StorageProfile(name, "emulated", bw, lat, float(payload_bytes), emulation=emulation,
+                          demand_first=demand_first)
+    if emulation != "delay":
+        return prof
+    if physical_ms is None:
+        raise StorageError(f"{name}: device.emulation 'delay' adds to a physical read, and no physical read time "
+                           "was given")
+    return replace(prof, delay_ms=emulation_delay_ms(prof, physical_ms() if callable(physical_ms) else physical_ms))
 
 
 @dataclass(eq=False)
@@ -166,7 +228,7 @@ class BandwidthModel:
         with self.lock:
             self.queue = [q for q in self.queue if q.end > now]
             at = len(self.queue)
-            if demand:  # before the first prefetch not yet transferring
+            if demand and p.demand_first:  # before the first prefetch not yet transferring
                 at = next((i for i, q in enumerate(self.queue) if not q.demand and q.start > now), at)
             self.queue.insert(at, r)
             t = self.queue[at - 1].end if at else now  # service order: the ones before ``at`` keep their times
@@ -186,14 +248,21 @@ class BandwidthModel:
 
     def wait(self, r: Reservation) -> None:
         """Block until ``r`` completes (its time may move later while a demand load goes first)."""
-        while True:
-            remaining = self.done_at(r) - time.perf_counter()
-            if remaining <= 0:
-                return
-            if remaining > SPIN_S:
-                time.sleep(remaining - SPIN_S)
-            else:
-                os.sched_yield()  # releases the GIL; time.sleep(0) would overshoot by the timer slack (~50 µs)
+        sleep_until(lambda: self.done_at(r))
+
+
+def sleep_until(deadline: Callable[[], float] | float) -> None:
+    """Block until ``time.perf_counter()`` reaches ``deadline`` (a time, or a function giving it, which may move):
+    sleep until ``SPIN_S`` before it, then yield the CPU until it (on time to a few µs)."""
+    at = deadline if callable(deadline) else (lambda: deadline)
+    while True:
+        remaining = at() - time.perf_counter()
+        if remaining <= 0:
+            return
+        if remaining > SPIN_S:
+            time.sleep(remaining - SPIN_S)
+        else:
+            os.sched_yield()  # releases the GIL; time.sleep(0) would overshoot by the timer slack (~50 µs)
 
 
 class FaultInjector:
@@ -231,13 +300,13 @@ class ExpertReader:
         self.pin_memory = pin_memory
         self._staging: list[torch.Tensor] = []  # free staging buffers (see staging())
         self._staging_lock = threading.Lock()
-        self.model = BandwidthModel(profile) if profile.emulated else None
+        self.model = BandwidthModel(profile) if profile.modelled else None
         self.fds = [os.open(f, os.O_RDONLY) for f in store.files]
         self.mirror: torch.Tensor | None = None
         self.mirror_views: list[list[memoryview]] | None = None
         self.cold_read_mode = ""
         self.direct_fds: list[int] = []
-        if profile.kind == "physical":
+        if profile.reads_disk:
             self.cold_read_mode = self._open_direct()
         self.cold_each_read = self.cold_read_mode == "fadvise" and profile.cold_each_read
         if profile.kind == "ram":
@@ -315,10 +384,10 @@ class ExpertReader:
         self.close()
 
     def prepare_run(self) -> None:
-        """Start of a run: the cold profile evicts the store's pages (O_DIRECT reads bypass them anyway); the
-        emulated device becomes idle with the store in the page cache (so the device model, not a physical read,
-        sets the time of every emulated load)."""
-        if self.profile.kind == "physical":
+        """Start of a run: a profile that reads the disk evicts the store's pages (O_DIRECT reads bypass them
+        anyway); the ``bandwidth``-emulated device becomes idle with the store in the page cache (so the device model,
+        not a physical read, sets the time of every load)."""
+        if self.profile.reads_disk:
             self.evict_all()
         if self.model is not None:
             self.warm_page_cache()
@@ -394,6 +463,8 @@ class ExpertReader:
             self.store.check_record(layer, expert, view)
         if res is not None:
             self.model.wait(res)
+        elif charged and self.profile.delay_ms > 0:
+            sleep_until(time.perf_counter() + self.profile.delay_ms * 1e-3)
 
 
 HUGE_PAGE = 2 << 20
@@ -432,7 +503,7 @@ def measure_transfer_ms(reader: ExpertReader, n: int = 64, seed: int = 0) -> lis
     out = []
     for _ in range(n):
         layer, expert = rng.randrange(reader.store.n_layers), rng.randrange(reader.store.n_experts)
-        if reader.profile.kind == "physical":
+        if reader.profile.reads_disk:
             os.posix_fadvise(reader.fds[layer], reader.store.offset(expert), reader.store.record_bytes,
                              os.POSIX_FADV_DONTNEED)
         if reader.model is not None:
@@ -441,3 +512,14 @@ def measure_transfer_ms(reader: ExpertReader, n: int = 64, seed: int = 0) -> lis
         reader.load(layer, expert, slot, demand=True)
         out.append((time.perf_counter() - t0) * 1e3)
     return out
+
+
+def physical_read_ms(store: ExpertStore, settings: dict[str, Any], n: int | None = None) -> float:
+    """The median isolated cold read of one record from this host's disk (``nvme_cold``, ``n`` random experts; the
+    window profile's ``transfer_samples`` by default): what the ``delay`` emulation's delays add to."""
+    reader = ExpertReader(store, make_profile("nvme_cold", settings))
+    try:
+        ms = measure_transfer_ms(reader, n=int(n or settings["window"]["transfer_samples"]))
+    finally:
+        reader.close()
+    return statistics.median(ms)

@@ -1,15 +1,22 @@
 """Background expert transfers: a prioritised queue served by I/O worker threads that overlap with compute.
 
-Demand loads (an executing layer needs the expert now) always go before prefetches: no prefetch starts while a
-demand load is queued or running (one already under way is not interrupted), and at an emulated device a demand
-request overtakes prefetches still waiting for bandwidth. Prefetches keep the order they were issued in
-(descending predicted priority). A prefetch that has not started when its target
-layer begins and is not needed there is cancelled; one that is needed is promoted to a demand load.
+The I/O order is the storage profile's (``device.io_order``):
 
-Workers serve prefetches only; demand loads (and prefetches promoted to demand before they started) are
-performed by the compute thread itself (:meth:`TransferEngine.steal`) when the layer needs them: the layer blocks
-on them either way, and a demand load then costs no thread hand-off, as in a plain on-demand runtime (measured:
-a hand-off to a woken worker added ~0.5 ms per load on a loaded 2-core host, more than the read itself).
+- ``demand_first`` (default): demand loads (an executing layer needs the expert now) go before prefetches: no
+  prefetch starts while a demand load is queued or running (one already under way is not interrupted), and at a
+  ``bandwidth``-emulated device a demand request overtakes prefetches still waiting for bandwidth. A prefetch that
+  has not started when its target layer begins and is needed there is promoted to a demand load.
+- ``fifo``: every load is served in the order it was issued; a demand load waits for the prefetches queued before
+  it (the ones the layer needs keep their place, nothing is promoted).
+
+Either way prefetches keep the order they were issued in (descending predicted priority), and a prefetch that has
+not started when its target layer begins and is not needed there is cancelled.
+
+Workers serve prefetches (and, under ``fifo``, a demand load behind them); a demand load at the head of the
+queue (under ``demand_first`` every demand load, and prefetches promoted before they started) is performed by the
+compute thread itself (:meth:`TransferEngine.steal`) when the layer needs it: the layer blocks on it either way, and
+it then costs no thread hand-off, as in a plain on-demand runtime (measured: a hand-off to a woken worker added
+~0.5 ms per load on a loaded 2-core host, more than the read itself).
 
 A worker reads the record from storage (:class:`~specprefetch.runtime.core.storage.ExpertReader`) into the cache
 slot (CPU: a page-cache or RAM read straight into it, a direct read through one of the reader's shared staging
@@ -37,6 +44,24 @@ from specprefetch.runtime.core.storage import ExpertReader
 log = logging.getLogger(__name__)
 
 DEMAND, PREFETCH = 0, 1
+
+
+def queue_order(tr: Any, fifo: bool) -> tuple[int, int]:
+    """A queued transfer's place: demand loads first, then in issue order; under FIFO in issue order only."""
+    return (0, tr.seq) if fifo else (tr.cls, tr.seq)
+
+
+def worker_ready(pending: list[Any], fifo: bool, demand_outstanding: bool) -> list[Any]:
+    """The queued transfers an idle worker may take: under ``demand_first`` prefetches only, none while a demand
+    load is outstanding; under FIFO any (the oldest first)."""
+    if fifo:
+        return list(pending)
+    return [] if demand_outstanding else [t for t in pending if t.cls == PREFETCH]
+
+
+def overtakes(tr: Any, pending: list[Any]) -> bool:
+    """Under FIFO: performing ``tr`` now would overtake a transfer issued before it that has not started."""
+    return any(t.seq < tr.seq for t in pending)
 
 
 @dataclass(eq=False)
@@ -73,6 +98,7 @@ class TransferEngine:
         self.cache = cache
         self.pool = pool
         self.retries = int(retries)
+        self.fifo = not reader.profile.demand_first
         self.cond = threading.Condition(cache.lock)       # transfers finished (waiters: compute thread)
         self.work = threading.Condition(cache.lock)       # work queued (waiters: idle workers)
         self.pending: list[Transfer] = []
@@ -117,9 +143,11 @@ class TransferEngine:
             return self.active.get(key)
 
     def promote(self, key: Key) -> None:
+        """A queued prefetch the executing layer needs becomes a demand load (goes first); under FIFO it keeps its
+        place."""
         with self.cond:
             tr = self.active.get(key)
-            if tr is not None and tr.cls != DEMAND:
+            if tr is not None and tr.cls != DEMAND and not self.fifo:
                 tr.cls = DEMAND
 
     def cancel_pending(self, layer: int, keep: set[int]) -> list[Transfer]:
@@ -137,7 +165,7 @@ class TransferEngine:
         """Claim the not-yet-started transfer of ``key`` for the calling thread (None if none is pending)."""
         with self.cond:
             tr = self.active.get(key)
-            if tr is None or tr.state != "pending":
+            if tr is None or tr.state != "pending" or (self.fifo and overtakes(tr, self.pending)):
                 return None
             self.pending.remove(tr)
             tr.state = "running"
@@ -164,7 +192,7 @@ class TransferEngine:
             if running:
                 self.cond.wait(timeout)
                 return True
-            tr = min(self.pending, key=lambda t: (t.cls, t.seq))
+            tr = min(self.pending, key=lambda t: queue_order(t, self.fifo))
         if self.steal(tr.key) is tr:
             self.execute(tr)
         return True
@@ -221,7 +249,7 @@ class TransferEngine:
     def _next(self) -> Transfer | None:
         with self.cond:
             while not self._stop:
-                ready = [] if self.demand_outstanding() else [t for t in self.pending if t.cls == PREFETCH]
+                ready = worker_ready(self.pending, self.fifo, self.demand_outstanding())
                 if ready:
                     break
                 self.work.wait()

@@ -52,7 +52,7 @@ import torch
 from specprefetch.contracts import ROUTING_FORMAT, RUN_COLUMNS, save_tensor_tree
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance
 from specprefetch.metrics import bootstrap_ci
-from specprefetch.runtime.core.budget import layer_budgets, run_budget, storage_budgets
+from specprefetch.runtime.core.budget import layer_budgets, profiled_physical_ms, run_budget, storage_budgets
 from specprefetch.runtime.measurement.session import Harness, RunResult
 
 log = logging.getLogger(__name__)
@@ -333,6 +333,9 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     (``block_order``; column ``run_order`` is a run's position), are measured by :func:`measure_block`: in lockstep,
     or one after another in that order, so no policy is always first (or always right after the warm-up).
     """
+    if "nvme_cold" in (profile.get("transfer_ms") or {}):
+        # the delay emulation adds to the physical read the window profile measured (its budgets' base too)
+        harness.use_physical_ms(profiled_physical_ms(profile))
     plan, blocks = _plan_blocks(harness.settings, profile, experiments)
     plain = _warm_up(harness)
     n_runs = sum(len(b.configs) for b in blocks) * int(harness.settings["repeats"])

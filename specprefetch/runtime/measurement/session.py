@@ -29,7 +29,7 @@ from specprefetch.runtime.core.cache import SlotPool
 from specprefetch.runtime.core.engine import OffloadedRuntime, RuntimeOptions, install_offloaded, resident_pool
 from specprefetch.runtime.core.paper_scale import install_store_experts, match_store
 from specprefetch.runtime.core.priority import PriorityProvider, builtin_provider
-from specprefetch.runtime.core.storage import ExpertReader, StorageProfile, make_profile
+from specprefetch.runtime.core.storage import ExpertReader, StorageProfile, make_profile, physical_read_ms
 from specprefetch.runtime.core.store import ExpertStore, find_moe_blocks
 from specprefetch.runtime.core.timeline import LayerEvent, RunStats
 from specprefetch.runtime.measurement.decode import Generation, Prefilled, Prompt, greedy_generate, prefill
@@ -90,13 +90,27 @@ class Harness:
 
         self.capacity = capacity or cache_capacity(settings, store.total_experts, int(spec.top_k))
         self._readers: dict[str, ExpertReader] = {}
+        self._physical_ms: float | None = None
         self._resident: SlotPool | None = None  # every expert, read once for all the all-resident runs
         # the kernel may still be writing back dirty pages (a store just built: GBs): that writeback would share the
         # disk with the measured cold reads, so it is flushed before any run
         os.sync()
 
     def profile(self, storage: str) -> StorageProfile:
-        return make_profile(storage, self.settings, self.store.layout.payload_bytes)
+        return make_profile(storage, self.settings, self.store.layout.payload_bytes, self.physical_ms)
+
+    def physical_ms(self) -> float:
+        """The isolated cold read of one record on this host that the ``delay`` emulation adds to: the window
+        profile's when the benchmark gave it (:meth:`use_physical_ms`), else measured once, here."""
+        if self._physical_ms is None:
+            self._physical_ms = physical_read_ms(self.store, self.settings)
+            log.info("physical cold read of one expert: %.3f ms (median, the delay emulation's base)",
+                     self._physical_ms)
+        return self._physical_ms
+
+    def use_physical_ms(self, ms: float) -> None:
+        """Derive the ``delay`` emulation from this physical read time (ms); readers made before keep theirs."""
+        self._physical_ms = float(ms)
 
     def reader(self, storage: str) -> ExpertReader:
         if storage not in self._readers:

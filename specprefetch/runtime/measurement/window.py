@@ -47,7 +47,7 @@ from torch import nn
 from specprefetch.contracts import EMULATED, LATENCY_PARTS
 from specprefetch.io import atomic_path, provenance, write_json_atomic
 from specprefetch.runtime.core.budget import RULE, budget_storages, derive_m_max, is_auto, window_budgets
-from specprefetch.runtime.core.storage import ExpertReader, host_buffer, make_profile, measure_transfer_ms
+from specprefetch.runtime.core.storage import ExpertReader, host_buffer, measure_transfer_ms
 from specprefetch.runtime.core.timeline import LayerEvent
 from specprefetch.runtime.measurement.session import Harness, RunResult
 
@@ -163,13 +163,17 @@ def transfer_table(harness: Harness, storages: list[str], n: int) -> dict[str, d
     """Per storage: isolated per-expert load times (one at a time, cold for ``nvme_cold``), measured; for an emulated
     device also its modelled time and the measured overshoot over it (mean and p95, ms and % of the model)."""
     out = {}
-    for storage in dict.fromkeys([*storages, harness.settings["reference_storage"], "ram"]):
+    order = dict.fromkeys([*storages, harness.settings["reference_storage"], "ram"])
+    for storage in sorted(order, key=lambda st: st != "nvme_cold"):  # the physical read first: the delays add to it
         reader = harness.reader(storage)
         ms = measure_transfer_ms(reader, n=n)
+        if storage == "nvme_cold":
+            harness.use_physical_ms(statistics.median(ms))
         row: dict[str, Any] = {"transfer_ms": statistics.median(ms), "transfer_ms_mean": statistics.fmean(ms),
                                "transfer_ms_p95": _quantile(ms, 0.95), "n": len(ms), "source": "measured"}
-        if reader.profile.emulated:
-            model = reader.profile.transfer_s() * 1e3
+        if reader.profile.emulated:  # the emulation's intended time: the datasheet's, or the physical read + delay
+            prof = reader.profile
+            model = harness.physical_ms() + prof.delay_ms if prof.delayed else prof.transfer_s() * 1e3
             over = [m - model for m in ms]
             row.update(model_ms=model, overshoot_ms_mean=statistics.fmean(over), overshoot_ms_p95=_quantile(over, 0.95),
                        overshoot_pct_mean=100.0 * statistics.fmean(over) / model if model > 0 else float("nan"))
@@ -352,8 +356,9 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
         "transfer_ms_in_runtime": xfer.runtime_ms, "transfer_ms_used": xfer.used_ms, "m_max": per_storage[ref],
         "m_max_per_storage": per_storage, "m_max_per_layer": per_layer,
         "m_max_source": "profiled" if is_auto(settings["m_max"]) else "config", "m_max_rule": RULE,
-        "predictor_for_window": win.policy, "emulated_profiles": {
-            name: make_profile(name, settings, harness.store.layout.payload_bytes).describe() for name in EMULATED},
+        "predictor_for_window": win.policy, "emulation": settings["emulation"], "io_order": settings["io_order"],
+        "emulated_profiles": {
+            name: harness.profile(name).describe() for name in EMULATED},
         "emulation_overshoot_ms": {st: {"mean_ms": row["overshoot_ms_mean"], "p95_ms": row["overshoot_ms_p95"],
                                         "pct_of_model": row["overshoot_pct_mean"]}
                                    for st, row in xfer.table.items() if "overshoot_ms_mean" in row},

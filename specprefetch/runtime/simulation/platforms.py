@@ -38,7 +38,7 @@ from typing import Any
 from specprefetch.contracts import EMULATED
 from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.core.budget import AUTO, budget_storages, is_auto, window_budgets
-from specprefetch.runtime.core.storage import StorageProfile, make_profile
+from specprefetch.runtime.core.storage import StorageProfile, delayed_device, make_profile
 from specprefetch.runtime.simulation.simulator import ComputeProfile, SimSequence, simulate
 
 log = logging.getLogger(__name__)
@@ -111,10 +111,12 @@ def calibrate_bandwidth(p: dict[str, Any], sequences: Sequence[SimSequence], cap
 def platform_storage(p: dict[str, Any], name: str, settings: dict[str, Any], bandwidth_mbps: float) -> StorageProfile:
     """The platform's device model of storage ``name``: its NVMe at the fitted bandwidth for ``nvme_cold``, the
     emulated profiles at its expert size, RAM (no transfer time) otherwise."""
+    nvme = nvme_profile(p, bandwidth_mbps)
     if name == "nvme_cold":
-        return nvme_profile(p, bandwidth_mbps)
-    if name in EMULATED:
-        return make_profile(name, settings, int(p["expert_mb"] * 1e6))
+        return nvme
+    if name in EMULATED:  # the delay emulation adds to the platform's own NVMe read of one expert
+        prof = make_profile(name, settings, int(p["expert_mb"] * 1e6), nvme.transfer_s() * 1e3)
+        return delayed_device(nvme, prof) if prof.delayed else prof
     return StorageProfile(name, "ram")
 
 

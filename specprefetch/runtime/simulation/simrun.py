@@ -26,14 +26,15 @@ from tqdm import tqdm
 from specprefetch.contracts import EMULATED, RUN_COLUMNS
 from specprefetch.io import SpecPrefetchError, atomic_path
 from specprefetch.registry import runtime_providers
-from specprefetch.runtime.core.storage import StorageProfile, make_profile
+from specprefetch.runtime.core.budget import profiled_physical_ms
+from specprefetch.runtime.core.storage import StorageProfile, delayed_device, make_profile
 from specprefetch.runtime.measurement.bench import Signature, parse_layer_budgets, plan_experiments, write_runs_csv
 from specprefetch.runtime.simulation.platforms import (
     calibrate_bandwidth,
     compute_profile_of,
-    nvme_profile,
     platform_m_max,
     platform_profile,
+    platform_storage,
 )
 from specprefetch.runtime.simulation.simulator import (
     ComputeProfile,
@@ -56,15 +57,22 @@ def local_storage(profile: dict[str, Any], storage: str,
     """(device model, fixed transfer s, per-transfer overhead s) of ``storage`` as profiled on this machine."""
     payload = int(profile["payload_bytes"])
     overshoot = profile.get("emulation_overshoot_ms", {})
-    if storage in EMULATED:
-        over = overshoot.get(storage, {}).get("mean_ms", 0.0) if isinstance(overshoot, dict) else 0.0
-        return make_profile(storage, settings, payload), None, float(over) * 1e-3
-    if storage == "nvme_cold":
+
+    def physical() -> StorageProfile:
         phys = profile.get("physical_model")
         if not phys:
             raise SpecPrefetchError("profile.json has no physical_model: nvme_cold was not profiled")
-        return (StorageProfile("nvme_cold", "emulated", float(phys["bandwidth_mbps"]), float(phys["latency_ms"]),
-                               payload), None, 0.0)
+        return StorageProfile("nvme_cold", "emulated", float(phys["bandwidth_mbps"]), float(phys["latency_ms"]),
+                              payload, demand_first=settings.get("io_order", "demand_first") == "demand_first")
+
+    if storage in EMULATED:
+        prof = make_profile(storage, settings, payload, lambda: profiled_physical_ms(profile))
+        if prof.delayed:  # the physical disk's model plus the delay (the read's own spread is in the disk's model)
+            return delayed_device(physical(), prof), None, 0.0
+        over = overshoot.get(storage, {}).get("mean_ms", 0.0) if isinstance(overshoot, dict) else 0.0
+        return prof, None, float(over) * 1e-3
+    if storage == "nvme_cold":
+        return physical(), None, 0.0
     fixed = float(profile["transfer_ms"].get(storage, {}).get("transfer_ms", 0.0)) * 1e-3
     return StorageProfile(storage, "ram"), fixed, 0.0
 
@@ -218,12 +226,9 @@ def simulate_platform(platform: str, model: str, arch: str, trace_readers: Seque
     results: dict[Signature, Any] = {}  # deterministic: a configuration of several experiments is simulated once
     for exp, configs in plan.items():
         for cfg in configs:
-            if cfg.storage == "nvme_cold":
-                storage = nvme_profile(p, bw)
-            elif cfg.storage in EMULATED:
-                storage = make_profile(cfg.storage, settings, int(p["expert_mb"] * 1e6))
-            else:
+            if cfg.storage not in ("nvme_cold", *EMULATED):
                 continue  # no RAM-offload figure for the phone
+            storage = platform_storage(p, cfg.storage, settings, bw)
             if cfg.signature not in results:
                 results[cfg.signature] = simulate(seqs_by_policy.get(cfg.policy, base), cfg.policy, cfg.m_max,
                                                   capacity, n_experts, top_k, compute, storage, p["io_workers"], True)

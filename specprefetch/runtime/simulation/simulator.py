@@ -41,10 +41,9 @@ from specprefetch.runtime.core.layer import LayerLoop
 from specprefetch.runtime.core.priority import PriorityProvider, builtin_provider
 from specprefetch.runtime.core.storage import BandwidthModel, StorageProfile
 from specprefetch.runtime.core.timeline import LayerEvent, RunStats, summarize
+from specprefetch.runtime.core.transfer import DEMAND, PREFETCH, overtakes, queue_order, worker_ready
 
 log = logging.getLogger(__name__)
-
-DEMAND, PREFETCH = 0, 1
 
 
 class SimulationError(SpecPrefetchError):
@@ -134,6 +133,7 @@ class _SimIO:
                  fixed_s: float | None) -> None:
         self.cache = cache
         self.model = BandwidthModel(storage) if storage.emulated else None
+        self.fifo = not storage.demand_first  # device.io_order (runtime.core.transfer)
         self.fixed_s = fixed_s
         self.overhead_s = overhead_s
         self.sleeping = list(range(max(1, n_workers)))
@@ -167,21 +167,21 @@ class _SimIO:
 
     def _wake(self, t: float) -> None:
         """Workers idle while a demand load was outstanding take the queued prefetches."""
-        if self._demand_outstanding():
+        if self._demand_outstanding() and not self.fifo:
             return
-        while self.sleeping and any(p.cls == PREFETCH and p.t_submit <= t for p in self.pending):
+        while self.sleeping and worker_ready([p for p in self.pending if p.t_submit <= t], self.fifo,
+                                             self._demand_outstanding()):
             self._start(self.sleeping.pop(0), t)
 
     def _start(self, worker: int, t: float) -> None:
-        ready = [] if self._demand_outstanding() else [p for p in self.pending
-                                                       if p.t_submit <= t and p.cls == PREFETCH]
+        ready = worker_ready([p for p in self.pending if p.t_submit <= t], self.fifo, self._demand_outstanding())
         if not ready:
             self.sleeping.append(worker)
             return
         tr = min(ready, key=lambda p: p.seq)
         self.pending.remove(tr)
         tr.state, tr.t_start = "running", t
-        tr.t_end = self._end_of(t, tr.charged)
+        tr.t_end = self._end_of(t, tr.charged, demand=tr.cls == DEMAND)
         heapq.heappush(self.running, (tr.t_end, tr.seq, tr, worker))
 
     def submit(self, key: Key, kind: str, step: int) -> _Tr:
@@ -217,7 +217,7 @@ class _SimIO:
     def steal(self, key: Key) -> _Tr | None:
         """The compute thread claims ``key``'s queued transfer from now (None: not queued)."""
         tr = self.active.get(key)
-        if tr is None or tr.state != "pending":
+        if tr is None or tr.state != "pending" or (self.fifo and overtakes(tr, self.pending)):
             return None
         self.pending.remove(tr)
         tr.state, tr.t_start = "running", self.clock
@@ -248,7 +248,7 @@ class _SimIO:
             self._finish_next()
             return True
         if self.pending:
-            tr = min(self.pending, key=lambda p: (p.cls, p.seq))
+            tr = min(self.pending, key=lambda p: queue_order(p, self.fifo))
             if self.steal(tr.key) is tr:
                 self.execute(tr)
             return True
@@ -263,7 +263,7 @@ class _SimIO:
 
     def promote(self, key: Key) -> None:
         tr = self.active.get(key)
-        if tr is not None:
+        if tr is not None and not self.fifo:
             tr.cls = DEMAND
 
     def cancel_pending(self, layer: int, keep: set[int]) -> list[_Tr]:
