@@ -588,6 +588,47 @@ def test_widest_gain_ci_is_the_tables_ci_of_every_policy_gain_in_the_block() -> 
     assert widest_gain_ci([cold, fate], tps)[1] == "fate M=4 vs off (no compute opt)"
 
 
+def test_blocks_are_measured_in_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block's repeat r before any block's repeat r + 1, blocks in a seeded random order per round; with
+    adaptive repeats only the blocks whose gains are still imprecise go on."""
+    from types import SimpleNamespace
+
+    from specprefetch.runtime.measurement import bench
+    from specprefetch.runtime.measurement.bench import Block, RunConfig
+
+    def block(name: str) -> Block:
+        cfgs = (RunConfig("main", "off", name, 0), RunConfig("main", "specprefetch", name, 4))
+        return Block(name, name, cfgs, ("main",))
+
+    noisy = {"nvme_cold": 0.0, "ufs": 5.0, "slow_ufs": 0.0}  # ufs's gain moves by 5 % a repeat: imprecise
+    blocks = [block(st) for st in noisy]
+    calls: list[tuple[str, int]] = []
+
+    def measure(harness: Any, configs: dict[int, RunConfig], lockstep: bool, seed: str) -> dict[int, Any]:
+        _, name, r = seed.split("/")
+        calls.append((name, int(r)))
+        return {pos: (c, int(r)) for pos, c in configs.items()}
+
+    rows: dict[Any, dict[str, float]] = {}
+
+    def add(name: str, r: int, pos: int, cfg: RunConfig, res: Any) -> None:
+        wobble = noisy[name] * (r % 2) if cfg.policy != "off" else 0.0
+        rows[(name, r, cfg.signature)] = {"tokens_per_s": 10.0 + (2.0 + wobble if cfg.policy != "off" else 0.0)}
+
+    monkeypatch.setattr(bench, "measure_block", measure)
+    rec = SimpleNamespace(add=add, rows=rows, n_runs=0)
+    harness = SimpleNamespace(settings={"repeats": 2, "max_repeats": 4, "target_ci_pp": 1.0, "interleave": "token"})
+    n = bench._measure_rounds(harness, blocks, rec, seed=3)
+    assert n == {"nvme_cold": 2, "ufs": 4, "slow_ufs": 2}
+    rounds = [r for _, r in calls]
+    assert rounds == sorted(rounds)  # round by round
+    assert sorted(calls[:3]) == [("nvme_cold", 0), ("slow_ufs", 0), ("ufs", 0)]
+    assert calls[6:] == [("ufs", 2), ("ufs", 3)]
+    for r in (0, 1):  # each round's block order is the seeded one of that round
+        assert [b.name for b in bench.round_order(blocks, 3, r)] == [b for b, _ in calls[3 * r: 3 * r + 3]]
+    assert len({tuple(b.name for b in bench.round_order(blocks, 3, r)) for r in range(8)}) > 1  # not one order
+
+
 @pytest.mark.parametrize(("target", "measured"), [(1e-9, 3), (1e9, 2)])
 def test_adaptive_repeats_go_on_until_the_gains_are_precise(tmp_path: Path, target: float, measured: int) -> None:
     """With ``max_repeats`` a block measures ``repeats`` repeats, then one more at a time while some gain's CI is

@@ -20,9 +20,11 @@ token in a fresh random order every token (``device.interleave: token``, the def
 (``run``).
 A storage is one block, or, with ``device.max_block_runs``, several blocks of at most that many configurations, each
 with its own OFF (on the physical disk a big lockstep block pairs worse: its runs' tokens lie further apart).
-Every block measures ``device.repeats`` repeats; with ``device.max_repeats`` it then goes on, one repeat at a time,
-until every policy gain it measures has a 95 % CI half-width within ``device.target_ci_pp`` (:func:`widest_gain_ci`)
-or it has measured ``max_repeats`` (adaptive repeats: each block stops on its own).
+The blocks are measured in rounds (:func:`_measure_rounds`): round ``r`` measures repeat ``r`` of every block, in a
+fresh random block order, so an experiment's repeats spread over the whole benchmark and a drift of the host hits
+every block alike. Every block measures ``device.repeats`` repeats; with ``device.max_repeats`` it then goes on, one
+round at a time, until every policy gain it measures has a 95 % CI half-width within ``device.target_ci_pp``
+(:func:`widest_gain_ci`) or it has measured ``max_repeats`` (adaptive repeats: each block stops on its own).
 An experiment's rows are its block's runs of the same repeat (column ``block``; ``measured_in`` names the block's
 first experiment that lists the configuration), so every pair (Figure 6's across compute_opt too) comes from one
 block. Gains are paired: ``tokens_per_s / tokens_per_s(off, same experiment, storage, compute_opt, repeat) - 1``.
@@ -329,9 +331,10 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
                   config_fragment: Any = None, seed: int = 0) -> list[dict[str, Any]]:
     """Run every experiment and write ``out_csv`` (one row per run and experiment); returns the rows.
 
-    Each (block, repeat)'s configurations (:func:`storage_blocks`), in a seeded random order
-    (``block_order``; column ``run_order`` is a run's position), are measured by :func:`measure_block`: in lockstep,
-    or one after another in that order, so no policy is always first (or always right after the warm-up).
+    Round by round (every block's repeat ``r`` before any block's repeat ``r + 1``, blocks in a seeded random order),
+    each (block, repeat)'s configurations (:func:`storage_blocks`), in a seeded random order (``block_order``; column
+    ``run_order`` is a run's position), are measured by :func:`measure_block`: in lockstep, or one after another in
+    that order, so no policy is always first (or always right after the warm-up).
     """
     if "nvme_cold" in (profile.get("transfer_ms") or {}):
         # the delay emulation adds to the physical read the window profile measured (its budgets' base too)
@@ -340,7 +343,7 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     plain = _warm_up(harness)
     n_runs = sum(len(b.configs) for b in blocks) * int(harness.settings["repeats"])
     rec = _Recorder(harness, plain, model, platform, n_runs)
-    n_repeats = {b.name: _measure_repeats(harness, b, rec, seed) for b in blocks}
+    n_repeats = _measure_rounds(harness, blocks, rec, seed)
     rows = _experiment_rows(plan, blocks, rec, n_repeats)
     set_bounds(rows, rec.events_of, profile, harness.store.n_layers, rec.timings_of)
     write_runs_csv(out_csv, rows)
@@ -415,31 +418,51 @@ class _Recorder:
         log.info("[%d/%d] %s r%d: %.2f tok/s", self.done, self.n_runs, cfg.key, r, res.tokens_per_s)
 
 
-def _measure_repeats(harness: Harness, b: Block, rec: _Recorder, seed: int) -> int:
-    """Measure block ``b`` for ``device.repeats`` repeats, then (adaptive repeats, ``device.max_repeats``) one more at
-    a time until every gain's CI is within ``device.target_ci_pp``; returns the repeats measured."""
+def round_order(blocks: list[Block], seed: int, r: int) -> list[Block]:
+    """The blocks of round ``r`` in a random order, seeded by (seed, round): reproducible, different every round."""
+    order = list(blocks)
+    random.Random(f"specprefetch/bench/{seed}/round/{r}").shuffle(order)
+    return order
+
+
+def _measure_rounds(harness: Harness, blocks: list[Block], rec: _Recorder, seed: int) -> dict[str, int]:
+    """Measure the blocks in rounds: round ``r`` measures repeat ``r`` of every block still measuring, in a fresh
+    random block order, before any block's repeat ``r + 1``. So each experiment's repeats are spread over the whole
+    benchmark and a drift of the host (the disk, the CPU) hits every block alike, instead of one block measuring
+    while the disk was fast and the next while it was slow. After ``device.repeats`` rounds (adaptive repeats,
+    ``device.max_repeats``) a block keeps measuring, one round at a time, while some gain's CI is wider than
+    ``device.target_ci_pp``. Returns the repeats each block measured."""
     settings = harness.settings
     repeats = int(settings["repeats"])
     max_repeats = int(settings["max_repeats"] or repeats)
     target = float(settings["target_ci_pp"])
     lockstep = settings["interleave"] == "token"
-    r = 0
-    while r < max_repeats:
-        order = block_order(list(b.configs), seed, b.name, r)
-        results = measure_block(harness, dict(enumerate(order)), lockstep, f"{seed}/{b.name}/{r}")
-        for pos, cfg in enumerate(order):
-            rec.add(b.name, r, pos, cfg, results[pos])
-        r += 1
-        if repeats <= r < max_repeats:
-            tps = {c.signature: [rec.rows[(b.name, q, c.signature)]["tokens_per_s"] for q in range(r)]
+    n = {b.name: 0 for b in blocks}
+    active = list(blocks)
+    for r in range(max_repeats):
+        if not active:
+            break
+        for b in round_order(active, seed, r):
+            order = block_order(list(b.configs), seed, b.name, r)
+            results = measure_block(harness, dict(enumerate(order)), lockstep, f"{seed}/{b.name}/{r}")
+            for pos, cfg in enumerate(order):
+                rec.add(b.name, r, pos, cfg, results[pos])
+            n[b.name] = r + 1
+        if r + 1 < repeats or r + 1 == max_repeats:
+            continue
+        still = []
+        for b in active:
+            tps = {c.signature: [rec.rows[(b.name, q, c.signature)]["tokens_per_s"] for q in range(r + 1)]
                    for c in b.configs}
             width, what = widest_gain_ci(b.configs, tps)
             if width <= target:
-                log.info("block %s: every gain within +-%.2f pp after %d repeats", b.name, width, r)
-                break
+                log.info("block %s: every gain within +-%.2f pp after %d repeats", b.name, width, r + 1)
+                continue
+            still.append(b)
             rec.n_runs += len(b.configs)
-            log.info("block %s: +-%.2f pp (%s) after %d repeats: one more", b.name, width, what, r)
-    return r
+            log.info("block %s: +-%.2f pp (%s) after %d repeats: one more", b.name, width, what, r + 1)
+        active = still
+    return n
 
 
 def _experiment_rows(plan: dict[str, list[RunConfig]], blocks: list[Block], rec: _Recorder,
