@@ -293,6 +293,14 @@ CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
         Column("platform"), Column("model"), Column("layer", "int", lo=0), Column("window_ms", "float", lo=0.0),
         Column("transfer_ms", "float", lo=0.0, lo_open=True), Column("m_max", "int", lo=0),
     ),
+    # results/device/host.csv (runtime.measurement.window.host_rows): what the host gave the benchmarks, per storage
+    "host": (
+        Column("platform"), Column("model"), Column("storage"), Column("compute_ms", "float", lo=0.0),
+        Column("window_ms", "float", lo=0.0), Column("transfer_ms", "float", lo=0.0, lo_open=True),
+        Column("w_over_t", "float", lo=0.0), Column("m_max", "int", lo=0),
+        Column("emulation", allowed=("none", "delay", "bandwidth")),
+        Column("delay_ms", "float", lo=0.0),
+    ),
     "window_events": (
         Column("platform"), Column("model"), Column("layer", "int", lo=0), Column("M", "int", lo=1),
         Column("demand_ms", "float", lo=0.0), Column("window_ms", "float", lo=0.0),

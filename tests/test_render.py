@@ -162,12 +162,23 @@ def _realism_rows(cfg: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _host_rows(model: str = "tiny-deepseek-vl2") -> pd.DataFrame:
+    """host.csv: the window profile's compute, window and per-storage transfer times (W/t decides the budget)."""
+    rows = []
+    for st, t, m, em, d in (("nvme_cold", 1.3, 2, "none", 0.0), ("nvme", 1.3, 2, "delay", 0.0),
+                            ("slow_ufs", 2.5, 1, "delay", 1.2)):
+        rows.append({"platform": "cpu-local", "model": model, "storage": st, "compute_ms": 2.9, "window_ms": 3.2,
+                     "transfer_ms": t, "w_over_t": 3.2 / t, "m_max": m, "emulation": em, "delay_ms": d})
+    return pd.DataFrame(rows)
+
+
 def write_fixture_results(root: Path, cfg: dict) -> dict[str, Path]:
     """Write every result CSV the renderer reads under ``root`` (the pipeline's layout); returns contract -> path."""
     recall, per_layer = _recall_rows(cfg)
     window, events = _window_rows()
     frames = {"recall": recall, "per_layer": per_layer, "params": _params_rows(cfg), "runs": _runs_rows(),
-              "window": window, "window_events": events, "latency": _latency_rows(), "realism": _realism_rows(cfg)}
+              "window": window, "window_events": events, "latency": _latency_rows(), "realism": _realism_rows(cfg),
+              "host": _host_rows()}
     from specprefetch.render.data import DEFAULT_PATHS
 
     paths = {}
@@ -302,6 +313,19 @@ def test_table4_paired_gains_match_hand_computation(rendered: Path, results: dic
     assert doc["SpecPrefetch/gain"].repeats == pytest.approx({str(r): g for r, g in gains.items()})
     assert "Platform cpu-local (measured)" in tex  # measured rows win over the simulated platform
     assert "mean $\\pm$ 95 \\% CI half-width, paired bootstrap over 5 repeats, 64 decoded tokens per run" in tex
+    # what the host gave the runs, from host.csv: the reader can set this run beside one on another host
+    assert ("Host (profile-window): compute 2.90 ms per MoE layer all resident, window W = 3.20 ms; NVMe (cold): "
+            "t = 1.30 ms per expert, W/t = 2.46, M\\_max = 2.") in tex.replace("\n", " ")
+    host = read_table_doc(rendered / "table4_overhead.json").meta["host"]
+    assert [h["storage"] for h in host] == ["nvme_cold"] and host[0]["m_max"] == 2
+
+
+def test_table5_says_what_the_host_gave_each_storage(rendered: Path) -> None:
+    meta = read_table_doc(rendered / "table5_matched.json").meta
+    assert [h["storage"] for h in meta["host"]] == ["nvme_cold", "slow_ufs"]
+    assert meta["host"][1]["delay_ms"] == 1.2 and meta["host"][1]["emulation"] == "delay"
+    tex = (rendered / "table5_matched.tex").read_text().replace("\n", " ")
+    assert "delay emulation, delay 1.20 ms" in tex
 
 
 def test_table5_bold_and_matched_budget(rendered: Path, cfg: dict, results: dict[str, Path],
@@ -628,7 +652,7 @@ def test_registries_agree_with_the_rule_targets() -> None:
     from specprefetch.render.figures import FIGURES
     from specprefetch.render.tables import TABLES
 
-    assert {k: v.inputs for k, v in TABLES.items()} == targets.TABLE_INPUTS
+    assert {k: v.inputs + v.optional for k, v in TABLES.items()} == targets.TABLE_INPUTS
     assert {k: v.inputs for k, v in FIGURES.items()} == targets.FIGURE_INPUTS
     outs = targets.all_outputs({"render": {"out_dir": "x"}}, with_pdf=True)
     assert "x/paper_tables.pdf" in outs and "x/table5_matched_vs_paper.tex" in outs

@@ -519,6 +519,14 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     assert [int(r["layer"]) for r in win] == list(range(1, spec.n_layers))
     with open(tmp_path / "window" / "window_events.csv") as f:
         assert {r["M"] for r in csv.DictReader(f)} == {"2", "4"}
+    from specprefetch.contracts import EMULATED, check_csv
+
+    host = check_csv(tmp_path / "window" / "host.csv", "host")  # what the host gave the runs, per storage
+    assert set(host["storage"]) == set(prof["transfer_ms_used"])
+    for _, r in host.iterrows():
+        assert r["m_max"] == prof["m_max_per_storage"][r["storage"]]
+        assert r["w_over_t"] == pytest.approx(prof["window_ms_median"] / prof["transfer_ms_used"][r["storage"]])
+        assert (r["emulation"] != "none") == (r["storage"] in EMULATED) and r["compute_ms"] > 0
     with open(tmp_path / "window" / "latency.csv") as f:
         lat = list(csv.DictReader(f))
     assert {r["mode"] for r in lat} == {"resident", "on_demand"}

@@ -9,7 +9,7 @@ the comparison with the paper read is exactly what the table prints.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -413,6 +413,32 @@ def device_sentence(cfg: Mapping[str, Any], sel: DeviceSelection, rows: pd.DataF
             f"against OFF. {prof}")
 
 
+def host_note(inputs: Mapping[str, Path], sel: DeviceSelection, storages: Sequence[str]) -> tuple[str, list[dict]]:
+    """What the host gave a device table's runs (``host.csv``, the window profile's): a sentence and the rows, so a
+    reader can set runs on different hosts side by side (the window-to-transfer ratio W/t decides prefetching).
+    Empty for a platform with no local profile (external logs, the simulator) or without ``host.csv``."""
+    path = inputs.get("host")
+    if path is None or not Path(path).is_file():  # an archive from before host.csv existed
+        log.warning("%s: no host.csv, the device tables say nothing of the host's window and transfer times", path)
+        return "", []
+    host = read_result_csv(path, "host")
+    rows = host[(host["platform"] == sel.platform) & (host["model"] == sel.model) & host["storage"].isin(storages)]
+    if rows.empty:
+        return "", []
+    rows = rows.set_index("storage").loc[[st for st in storages if st in set(rows["storage"])]]
+    parts = []
+    for st, r in rows.iterrows():
+        delay = f", {r['emulation']} emulation, delay {r['delay_ms']:.2f} ms" if r["emulation"] != "none" else ""
+        parts.append(f"{storage_label(st)}: t = {r['transfer_ms']:.2f} ms per expert, W/t = {r['w_over_t']:.2f}, "
+                     f"M_max = {int(r['m_max'])}{delay}")
+    first = rows.iloc[0]
+    text = (f"Host (profile-window): compute {first['compute_ms']:.2f} ms per MoE layer all resident, window "
+            f"W = {first['window_ms']:.2f} ms; " + "; ".join(parts) + ".")
+    meta = [{"storage": st, **{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()
+                                if k not in ("platform", "model")}} for st, r in rows.iterrows()]
+    return text, meta
+
+
 def storage_phrase(storage: str) -> str:
     """How a caption names a storage profile ("cold-cache NVMe" as the paper says, else "Slow UFS storage")."""
     return "cold-cache NVMe" if storage == "nvme_cold" else latex_escape(f"{storage_label(storage)} storage")
@@ -516,13 +542,15 @@ def build_table4(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
                + ("All resident: every expert in accelerator memory (an upper reference, not a policy). "
                   if reference else "")
                + latex_escape(device_sentence(cfg, sel, shown)))
+    host_text, host = host_note(inputs, sel, [storage])
+    caption += latex_escape(" " + host_text) if host_text else ""
     context = {"caption": caption, "label": "tab:overhead", "rows": rows, "reference_rows": ref_rows,
                "headers": headers}
     doc = TableDoc("table4_overhead", "Table 4: runtime overhead of prediction and prefetch control",
                    cfg["profile"], cells, meta={"platform": sel.platform, "model": sel.model, "storage": storage,
                                                 "m_max": m_max, "sources": list(sel.sources), "repeats": n_rep,
                                                 "bound": has_bound, "ci": CI_META,
-                                                "note": repeats_note(shown)})
+                                                "note": repeats_note(shown), "host": host})
     return Built("table4_overhead.tex.j2", context, doc)
 
 
@@ -583,11 +611,13 @@ def build_table5(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
                f"gain vs OFF under {storage_phrase(cold)} and {storage_phrase(slow)}, ReadyRecall under "
                f"{storage_phrase(cold)}. Bold: best mean per column. "
                + latex_escape(device_sentence(cfg, sel, shown)))
+    host_text, host = host_note(inputs, sel, list(dict.fromkeys([cold, slow])))
+    caption += latex_escape(" " + host_text) if host_text else ""
     context = {"caption": caption, "label": "tab:matched", "rows": rows, "headers": headers}
     doc = TableDoc("table5_matched", "Table 5: matched-budget comparison", cfg["profile"], cells,
                    meta={"platform": sel.platform, "model": sel.model, "cold_storage": cold, "slow_storage": slow,
                          "m_max": m_max, "m_max_per_storage": budgets, "sources": list(sel.sources),
-                         "repeats": n_rep, "ci": CI_META, "note": repeats_note(shown)})
+                         "repeats": n_rep, "ci": CI_META, "note": repeats_note(shown), "host": host})
     return Built("table5_matched.tex.j2", context, doc)
 
 
@@ -716,6 +746,7 @@ class TableSpec:
     inputs: tuple[str, ...]
     build: Callable[[Mapping[str, Path], Mapping[str, Any]], Built]
     compared: bool = True  # has a reproduced-vs-reported companion (table0_realism is itself a comparison)
+    optional: tuple[str, ...] = ()  # read when given (the DAG always gives them; an older archive may lack them)
 
 
 TABLES: dict[str, TableSpec] = {
@@ -723,8 +754,8 @@ TABLES: dict[str, TableSpec] = {
     "table1_recall": TableSpec("table1_recall", ("recall",), build_table1),
     "table2_ablation": TableSpec("table2_ablation", ("recall",), build_table2),
     "table3_params": TableSpec("table3_params", ("params",), build_table3),
-    "table4_overhead": TableSpec("table4_overhead", ("runs",), build_table4),
-    "table5_matched": TableSpec("table5_matched", ("runs",), build_table5),
+    "table4_overhead": TableSpec("table4_overhead", ("runs",), build_table4, optional=("host",)),
+    "table5_matched": TableSpec("table5_matched", ("runs",), build_table5, optional=("host",)),
 }
 
 
@@ -738,8 +769,9 @@ def render_table(name: str, cfg: Mapping[str, Any], inputs: Mapping[str, Path | 
         raise RenderInputError(f"unknown table {name!r}; choose from {', '.join(TABLES)}")
     spec = TABLES[name]
     inputs = require_inputs(name, spec.inputs, inputs)
-    built = spec.build({k: Path(inputs[k]) for k in spec.inputs}, cfg)
-    built.doc.meta.setdefault("inputs", {k: str(inputs[k]) for k in spec.inputs})
+    given = [k for k in (*spec.inputs, *spec.optional) if k in inputs]
+    built = spec.build({k: Path(inputs[k]) for k in given}, cfg)
+    built.doc.meta.setdefault("inputs", {k: str(inputs[k]) for k in given})
     tex = render_template(built.template, built.context, templates)
     out_tex = Path(out_tex)
     with atomic_paths([out_tex, Path(out_json) if out_json else out_tex.with_suffix(".json")]) as (tmp_tex, tmp_json):

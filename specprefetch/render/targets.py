@@ -20,6 +20,7 @@ RESULT_PATHS: dict[str, str] = {
     "window": "results/device/window.csv",
     "window_events": "results/device/window_events.csv",
     "latency": "results/device/latency.csv",
+    "host": "results/device/host.csv",
     "realism": "results/realism/realism.csv",
 }
 TABLE_INPUTS: dict[str, tuple[str, ...]] = {
@@ -27,8 +28,8 @@ TABLE_INPUTS: dict[str, tuple[str, ...]] = {
     "table1_recall": ("recall",),
     "table2_ablation": ("recall",),
     "table3_params": ("params",),
-    "table4_overhead": ("runs",),
-    "table5_matched": ("runs",),
+    "table4_overhead": ("runs", "host"),
+    "table5_matched": ("runs", "host"),
 }
 FIGURE_INPUTS: dict[str, tuple[str, ...]] = {
     "fig1a_latency": ("latency",),

@@ -218,7 +218,7 @@ def _cmd_collect(args: argparse.Namespace) -> None:
 
     out = Path(args.out_dir)
     rows = collect_device_benchmarks(args.runs, args.external or [], out / "runs.csv")
-    for name in ("window.csv", "window_events.csv", "latency.csv"):
+    for name in ("window.csv", "window_events.csv", "latency.csv", "host.csv"):
         concat_csvs([Path(d) / name for d in args.windows], out / name)
     if args.validation:
         concat_csvs(args.validation, out / "sim_validation.csv")

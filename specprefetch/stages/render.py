@@ -23,7 +23,7 @@ from specprefetch.stages.common import add_config_arg, load_args_config
 
 log = logging.getLogger(__name__)
 
-INPUT_FLAGS = ("recall", "per_layer", "params", "runs", "window", "window_events", "latency", "realism")
+INPUT_FLAGS = ("recall", "per_layer", "params", "runs", "window", "window_events", "latency", "realism", "host")
 
 
 def _add_input_flags(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
@@ -63,7 +63,7 @@ def _cmd_render_tables(args: argparse.Namespace) -> None:
     try:
         for name in names:
             spec = TABLES[name]
-            doc = render_table(name, cfg, _inputs(args, spec.inputs), args.out_dir / f"{name}.tex",
+            doc = render_table(name, cfg, _inputs(args, spec.inputs + spec.optional), args.out_dir / f"{name}.tex",
                                templates=args.templates)
             written += [args.out_dir / f"{name}.tex", args.out_dir / f"{name}.json"]
             print(f"{args.out_dir / name}.tex: {len(doc.cells)} cells")
@@ -151,7 +151,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("render-tables", help="Tables 1-5 as LaTeX (+ a JSON of every cell) from the result CSVs")
     add_config_arg(p)
     p.add_argument("--table", action="append", choices=TABLES, help="only this table (repeatable)")
-    _add_input_flags(p, ("recall", "params", "runs", "realism"))
+    _add_input_flags(p, ("recall", "params", "runs", "realism", "host"))
     p.add_argument("--out-dir", required=True, type=Path, help="writes <table>.tex and <table>.json here")
     p.add_argument("--templates", type=Path, default=None, help="jinja2 template directory (workflow/templates)")
     p.set_defaults(func=_cmd_render_tables)

@@ -187,6 +187,7 @@ rule collect_device_benchmarks:
         window=P.result_path("window"),
         window_events=P.result_path("window_events"),
         latency=P.result_path("latency"),
+        host=P.result_path("host"),
         validation=P.sim_validation_table,
     log:
         P.log_path("collect_device_benchmarks", "collect"),

@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 
 WINDOW_COLUMNS = ["platform", "model", "layer", "window_ms", "transfer_ms", "m_max"]
 EVENT_COLUMNS = ["platform", "model", "layer", "M", "demand_ms", "window_ms"]
+HOST_COLUMNS = ["platform", "model", "storage", "compute_ms", "window_ms", "transfer_ms", "w_over_t", "m_max",
+                "emulation", "delay_ms"]
 LATENCY_COLUMNS = ["platform", "model", "mode", "layer", "component", "ms"]
 
 
@@ -374,11 +376,32 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
     with atomic_path(Path(out_dir), is_dir=True) as tmp:
         _write_csv(tmp / "window.csv", WINDOW_COLUMNS, window_rows)
         _write_csv(tmp / "window_events.csv", EVENT_COLUMNS, event_rows)
+        _write_csv(tmp / "host.csv", HOST_COLUMNS, host_rows(profile))
         _write_csv(tmp / "latency.csv", LATENCY_COLUMNS, latency_rows)
         write_json_atomic(tmp / "profile.json", profile)
     log.info("window %.3f ms (median %.3f), transfer %.3f ms on %s -> M_max = %d; per storage %s", win.mean_ms,
              win.median_ms, t_ref, ref, per_storage[ref], per_storage)
     return profile
+
+
+def host_rows(profile: dict[str, Any]) -> list[dict[str, Any]]:
+    """What this host gave the benchmarks, per storage the budget is decided for (``host.csv``, printed with every
+    device table so runs on different hosts can be read side by side): the all-resident compute per MoE layer
+    (decoding, compute-optimized: bookkeeping, experts and the gap to the next layer), the window W (median), the
+    per-expert transfer time the budget used, W/t, the budget, and the storage's emulation and per-load delay."""
+    comp = profile["compute"]["opt"]
+    n = max(1, len(comp["moe_s"]))
+    compute_ms = sum(b + m + g for b, m, g in zip(comp["book_s"], comp["moe_s"], comp["gap_s"])) / n * 1e3
+    w = float(profile["window_ms_median"])
+    emulated = profile.get("emulated_profiles") or {}
+    rows = []
+    for storage, t in profile["transfer_ms_used"].items():
+        em = emulated.get(storage) or {}
+        rows.append({"platform": profile["platform"], "model": profile["model"], "storage": storage,
+                     "compute_ms": compute_ms, "window_ms": w, "transfer_ms": t,
+                     "w_over_t": w / t if t > 0 else float("nan"), "m_max": profile["m_max_per_storage"][storage],
+                     "emulation": em.get("emulation") or "none", "delay_ms": em.get("delay_ms") or 0.0})
+    return rows
 
 
 @dataclass
