@@ -60,6 +60,11 @@ def device_settings(cfg: dict[str, Any]) -> dict[str, Any]:
             if e not in EXPERIMENTS:
                 raise ConfigError(f"invalid config key 'device.model_experiments.{m}': {e!r} "
                                   f"({', '.join(EXPERIMENTS)})")
+    for name, v in d["variants"].items():
+        if all(v.get(k, d[k]) == d[k] for k in ("emulation", "io_order")):
+            raise ConfigError(f"invalid config key 'device.variants.{name}': it measures what the default does "
+                              f"(emulation {d['emulation']!r}, io_order {d['io_order']!r}); give another emulation "
+                              "or io_order")
     for m, sc in d["paper_scale"].items():
         if m not in cfg["models"]:
             raise ConfigError(f"invalid config key 'device.paper_scale.{m}': {m!r} is not a model of the profile")

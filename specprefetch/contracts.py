@@ -46,6 +46,20 @@ STORAGES: Sequence[str] = NameView(registry.storages, "storage")
 EMULATED: Sequence[str] = NameView(lambda: [s for s, st in registry.storages().items() if st.emulated], "storage")
 METHODS: Sequence[str] = NameView(registry.methods, "predictor method")
 EXPERIMENTS = ("main", "matched", "sweep", "storage", "component", "budget")
+# A variant's runs (device.variants: the same experiment under another emulation or I/O order) are named
+# "<experiment>@<variant>" in runs.csv, so every reader of an experiment sees the default's runs only.
+VARIANT_NAME = r"[a-z][a-z0-9_]*"
+
+
+def variant_experiment(experiment: str, variant: str | None) -> str:
+    """runs.csv's ``experiment`` of ``experiment`` measured in ``variant`` (None: the default)."""
+    return f"{experiment}@{variant}" if variant else experiment
+
+
+def split_experiment(name: str) -> tuple[str, str | None]:
+    """The inverse of :func:`variant_experiment`: (experiment, variant or None)."""
+    base, _, variant = name.partition("@")
+    return base, variant or None
 # latency.csv: the per-layer breakdown of Figure 1(a)
 LATENCY_MODES = ("resident", "on_demand")
 REALISM_TOKEN_TYPES = ("all", "text", "image")  # the realism table's token split (traces' is_image flag)
@@ -261,6 +275,7 @@ class Column:
     name: str
     kind: str = "str"
     allowed: Sequence[str] | None = None
+    pattern: str | None = None  # a str column's values must match this regex in full
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
@@ -282,7 +297,8 @@ CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
     ),
     "params": (Column("model"), Column("method", allowed=METHODS), Column("trainable_params", "int", lo=0)),
     "runs": (
-        Column("platform"), Column("model"), Column("experiment", allowed=EXPERIMENTS),
+        Column("platform"), Column("model"),
+        Column("experiment", pattern=rf"(?:{'|'.join(EXPERIMENTS)})(?:@{VARIANT_NAME})?"),
         Column("policy", allowed=POLICIES), Column("storage", allowed=STORAGES),
         Column("m_max", "int", lo=0, nullable=True), Column("compute_opt", "bool"), Column("repeat", "int", lo=0),
         Column("tokens_per_s", "float", lo=0.0, lo_open=True), Column("ready_recall", "float", lo=0.0, hi=1.0,
@@ -329,7 +345,7 @@ RUN_COLUMNS = [
     "inflight", "cancelled", "demand_loads", "io_errors", "peak_cache_experts", "capacity_experts",
     "peak_cache_bytes", "capacity_bytes", "decode_s", "record_bytes", "expert_format", "tokens_match",
     "tokens_sha256", "bound_tokens_per_s", "measured_in", "run_order", "layer_m_max", "bound_own_tokens_per_s",
-    "block",
+    "block", "emulation", "io_order",
 ]
 RUN_KEY_COLUMNS = 17  # the first 17 (up to ``source``) every runs CSV must have, measured, simulated or merged
 
@@ -358,6 +374,11 @@ def _coerce(df: pd.DataFrame, col: Column, path: Path) -> pd.Series:
             if bad.any():
                 i = int(np.flatnonzero(bad.to_numpy())[0])
                 raise _bad(path, col.name, i, out.iloc[i], f"is not one of {', '.join(col.allowed)}")
+        if col.pattern is not None:
+            bad = ~out.str.fullmatch(col.pattern)
+            if bad.any():
+                i = int(np.flatnonzero(bad.to_numpy())[0])
+                raise _bad(path, col.name, i, out.iloc[i], f"does not match {col.pattern}")
         return out
     if col.kind == "bool":
         text = raw.astype(str).str.strip().str.lower()

@@ -388,14 +388,30 @@ class Pipeline:
     def store_dir(self, model: str = "{model}") -> str:
         return f"results/device/store/{model}"
 
-    def window_dir(self, model: str = "{model}") -> str:
-        return f"results/device/window/{model}"
+    # A variant's window profile and runs (device.variants) sit beside the default's, tagged "@<variant>"; the
+    # default's tag is empty. The rules that measure take the tag as a wildcard.
+    VARIANT_TAG = r"(@[a-z][a-z0-9_]*)?"
 
-    def measured_csv(self, model: str = "{model}") -> str:
-        return f"results/device/measured/{model}.csv"
+    def window_dir(self, model: str = "{model}", tag: str = "") -> str:
+        return f"results/device/window/{model}{tag}"
 
-    def routing_file(self, model: str = "{model}") -> str:
-        return f"results/device/measured/{model}.routing.safetensors"
+    def measured_csv(self, model: str = "{model}", tag: str = "") -> str:
+        return f"results/device/measured/{model}{tag}.csv"
+
+    def routing_file(self, model: str = "{model}", tag: str = "") -> str:
+        return f"results/device/measured/{model}{tag}.routing.safetensors"
+
+    def device_benchmarks(self) -> list[tuple[str, str]]:
+        """Every (model, variant tag) the runtime is benchmarked in: each model's default, then its variants."""
+        from specprefetch.runtime.core.settings import variants_for
+
+        return [(m, "") for m in self.device_models] + [(m, f"@{v}") for m in self.device_models
+                                                       for v in variants_for(self.device, m)]
+
+    @staticmethod
+    def variant_arg(tag: str) -> str:
+        """``--variant NAME`` for a variant's tag ("" for the default)."""
+        return shell_args("--variant", tag[1:]) if tag else ""
 
     def simulated_csv(self, model: str = "{model}") -> str:
         return f"results/device/simulated/{model}.csv"

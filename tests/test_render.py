@@ -118,7 +118,19 @@ def _runs_rows(model: str = "tiny-deepseek-vl2", repeats: int = 5) -> pd.DataFra
         add("storage", storage, [("off", 0, off, 0.18, None), ("specprefetch", 8, off * (1 + gain), 0.9, None)])
     add("component", "nvme_cold", [("off", 0, 2.9, 0.15, False), ("off", 0, 3.75, 0.15, True),
                                    ("specprefetch", 8, 3.2, 0.9, False), ("specprefetch", 8, 4.05, 0.9, True)])
-    return pd.DataFrame(rows)
+    # device.variants: the storage experiment under the bandwidth emulation (its gain shrinks as storage slows:
+    # fewer concurrent transfers fit the window) and the sweep under FIFO I/O (its throughput falls past the peak)
+    for storage, off, gain in (("nvme", 4.6, 0.012), ("nvme_cold", 3.753, 0.07), ("slow_ufs", 2.2, 0.03)):
+        add("storage@bandwidth", storage, [("off", 0, off, 0.18, None),
+                                           ("specprefetch", 2 if storage == "slow_ufs" else 8, off * (1 + gain), 0.7,
+                                            None)])
+    add("sweep@fifo", "nvme_cold", [("off", 0, 3.753, 0.18, None)] + [
+        ("specprefetch", m, tps, rr, None) for m, tps, rr in ((2, 3.86, 0.82), (4, 3.99, 0.88), (8, 4.1, 0.93),
+                                                             (16, 3.6, 0.97))])
+    df = pd.DataFrame(rows)
+    df["emulation"] = np.where(df["experiment"].str.endswith("@bandwidth"), "bandwidth", "delay")
+    df["io_order"] = np.where(df["experiment"].str.endswith("@fifo"), "fifo", "demand_first")
+    return df
 
 
 def _window_rows(model: str = "tiny-qwen3-vl-moe", n_layers: int = 8) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -40,6 +40,8 @@ PRE_QUOTED = {
     # how train_predictor starts: Pipeline.train_command; the interpreter is quoted, predictors.training.launcher is a
     # command by design (a trusted launcher prefix such as torchrun, inserted as shell words)
     "params.run": r"P\.train_command\(",
+    # "--variant NAME" or nothing: Pipeline.variant_arg (shell_args)
+    "params.variant": r"P\.variant_arg\(",
 }
 
 
@@ -253,6 +255,7 @@ def test_pre_quoted_params_are_quoted_shell_words(tmp_path: Path, monkeypatch: p
         "--predictor", f"fate=results/predictors/{MODEL}/fate",
         "--predictor", f"oracle=results/predictors/{MODEL}/oracle"]
     assert shlex.split(p.traces_arg("a b/c")) == ["--traces", "a b/c"] and p.traces_arg(None) == ""
+    assert shlex.split(p.variant_arg("@my;variant")) == ["--variant", "my;variant"] and p.variant_arg("") == ""
     assert shlex.split(p.train_command("/opt/my python/bin/python")) == ["/opt/my python/bin/python", "-m",
                                                                           "specprefetch"]
     assert shlex.split(shell_args("a;b", ["c d", "e"], 3)) == ["a;b", "c d", "e", "3"]

@@ -52,12 +52,19 @@ def seeds(n: int) -> dict[str, int]:
 DEVICE_RULES = ("build_expert_store", "profile_window", "bench_runtime", "simulate_device", "validate_simulator",
                 "evaluate_offloaded")
 STAND_INS = {"train_tokenizer": 1, "pretrain_stand_in": 2, **{r: 2 for r in DEVICE_RULES}}
+def variants(n: int) -> dict[str, int]:
+    """profile_window and bench_runtime per (model, variant): each model's default plus ``n`` device.variants runs
+    (the bandwidth emulation's storage experiment, FIFO's sweep) of the models whose experiments they measure."""
+    return {"profile_window": n, "bench_runtime": n}
+
+
 EXPECTED = {
-    "config/config.yaml": {**COMMON, **STAND_INS, **traces(1, 2 + 2 * 2), **seeds(3)},  # simulator: gsm8k, chartqa
-    "config/smoke.yaml": {**COMMON, **STAND_INS, **traces(2, 2 + 2 * 1), **seeds(2)},
+    # simulator: gsm8k, chartqa; variants: the DeepSeek stand-in's (the Qwen stand-in runs main only)
+    "config/config.yaml": {**COMMON, **STAND_INS, **traces(1, 2 + 2 * 2), **seeds(3), **variants(2 + 2)},
+    "config/smoke.yaml": {**COMMON, **STAND_INS, **traces(2, 2 + 2 * 1), **seeds(2), **variants(2 + 4)},
     # hub checkpoints: no tokenizer, no stand-in pretraining; predictors train online (no corpus traces);
     # the runtime benchmarks DeepSeek-VL2-Tiny only (4-bit experts, as the paper)
-    "config/paper.yaml": {**COMMON, **traces(8, 1, corpus=False), **{r: 1 for r in DEVICE_RULES}},
+    "config/paper.yaml": {**COMMON, **traces(8, 1, corpus=False), **{r: 1 for r in DEVICE_RULES}, **variants(1 + 2)},
 }
 
 

@@ -264,7 +264,7 @@ def _dotted(path: Sequence[Any]) -> str:
     return out
 
 
-SELECTOR_KEYS = ("policy", "method", "storage", "mode", "column", "compute_opt", "m_max")  # besides ``name``
+SELECTOR_KEYS = ("policy", "method", "storage", "mode", "column", "compute_opt", "m_max", "variant")  # and ``name``
 
 
 @dataclass(frozen=True)
@@ -275,7 +275,10 @@ class Selector:
     keys: tuple[tuple[str, Any], ...]
 
     def matches(self, c: Cell) -> bool:
-        return ((self.name is None or c.id.rsplit("/", 1)[-1] == self.name)
+        """Name and keys; a variant's cells (key ``variant``, device.variants) only when the selector names it, so a
+        claim about the default's runs never mixes in another emulation's or I/O order's."""
+        want = dict(self.keys).get("variant")
+        return ((self.name is None or c.id.rsplit("/", 1)[-1] == self.name) and c.keys.get("variant") == want
                 and all(k in c.keys and c.keys[k] == v for k, v in self.keys))
 
 
@@ -462,6 +465,9 @@ def _present(spec: ClaimSpec, doc: TableDoc) -> bool:
                    for s in spec.ops["cells"])
     if "over" in spec.ops:
         return bool(_sweep(doc, spec))
+    if "select" not in spec.ops:  # two cells (greater, within): both present
+        keys = [k for k in ("a", "b", "cell") if k in spec.ops]
+        return all((c := _select_one(doc, spec.ops[k], spec, k)) is not None and c.value is not None for k in keys)
     return any(spec.ops["select"].matches(c) and c.value is not None for c in doc.cells)
 
 

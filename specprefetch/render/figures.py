@@ -23,6 +23,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from specprefetch.contracts import split_experiment  # noqa: E402
 from specprefetch.io import atomic_path  # noqa: E402
 from specprefetch.render.cells import Cell, TableDoc  # noqa: E402
 from specprefetch.render.data import (  # noqa: E402
@@ -232,17 +233,40 @@ def _ci_note(cfg: Mapping[str, Any], rows: pd.DataFrame) -> str:
     return _caption_note(cfg, "error bars: 95 % CI of the mean; " + repeats_note(rows).split(", ", 1)[1])
 
 
+def _sweep(rows: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any], what: str) -> tuple[pd.DataFrame, Any]:
+    """One sweep's SpecPrefetch summary by M_max (throughput, ReadyRecall) and its OFF rows."""
+    rows = _one_storage(rows, path, cfg, what)
+    spec = require_rows(rows, path, f"Figure 4 ({what})", policy="specprefetch")
+    if spec["m_max"].isna().any():
+        raise RenderInputError(f"{path}: column 'm_max' is empty for {what}'s rows of policy 'specprefetch'")
+    spec = spec.assign(m_max=spec["m_max"].astype(int), ready_pct=spec["ready_recall"] * 100.0)
+    return summarize(spec, ["m_max"], ["tokens_per_s", "ready_pct"]), rows[rows["policy"] == "off"]
+
+
+def _sweep_cells(summ: pd.DataFrame, prefix: str, tag: dict[str, Any]) -> list[Cell]:
+    cells = []
+    for r in summ.itertuples():
+        key = {"m_max": int(r.m_max), **tag}
+        cells.append(_stat_cell(f"{prefix}M{r.m_max}/throughput", "throughput", r.tokens_per_s_stats, key))
+        if r.ready_pct_stats is not None:
+            cells.append(_stat_cell(f"{prefix}M{r.m_max}/ready_recall", "ready_recall", r.ready_pct_stats, key))
+        else:
+            cells.append(Cell(id=f"{prefix}M{r.m_max}/ready_recall", quantity="ready_recall", value=None, keys=key))
+    peak = int(summ.loc[summ["tokens_per_s_mean"].idxmax(), "m_max"])
+    cells.append(Cell(id=f"{prefix}peak_m_max", quantity="m_max", value=float(peak), keys=tag))
+    return cells
+
+
 def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv") -> FigureResult:
     """Figure 4: throughput and ReadyRecall of SpecPrefetch vs M_max (mean with its 95 % bootstrap CI over
-    repeats), OFF as reference (its CI as a band)."""
+    repeats), OFF as reference (its CI as a band). A variant of ``device.variants`` that measured the sweep too
+    (e.g. FIFO I/O beside demand-first) is a second, dashed line; its cells carry its name (key ``variant``, id
+    prefix ``<variant>:``)."""
     rows, sel = _device_rows(runs, path, cfg, "sweep")
-    rows = _one_storage(rows, path, cfg, "experiment 'sweep'")
-    spec = require_rows(rows, path, "Figure 4 (the M_max sweep)", policy="specprefetch")
-    if spec["m_max"].isna().any():
-        raise RenderInputError(f"{path}: column 'm_max' is empty for sweep rows of policy 'specprefetch'")
-    spec = spec.assign(m_max=spec["m_max"].astype(int), ready_pct=spec["ready_recall"] * 100.0)
-    summ = summarize(spec, ["m_max"], ["tokens_per_s", "ready_pct"])
-    off = rows[rows["policy"] == "off"]
+    summ, off = _sweep(rows, path, cfg, "experiment 'sweep'")
+    spec = rows[rows["policy"] == "specprefetch"]
+    others = {v: _sweep(r, path, cfg, f"experiment 'sweep@{v}'") + (r,)
+              for v, r in variant_rows(runs, sel, "sweep").items()}
     profiled = None
     main = runs[(runs["platform"] == sel.platform) & (runs["model"] == sel.model) & (runs["experiment"] == "main")
                 & (runs["source"] == sel.sources[0]) & (runs["policy"] == "specprefetch")]
@@ -250,9 +274,10 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
         profiled = int(main["m_max"].dropna().iloc[0])
     peak = int(summ.loc[summ["tokens_per_s_mean"].idxmax(), "m_max"])
     c = color("specprefetch")
-    cells = []
+    cells: list[Cell] = []
+    variant_cells: list[Cell] = []
     with _theme():
-        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(COLUMN_WIDTH_IN, 2.9), sharex=True)
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(COLUMN_WIDTH_IN, 3.2 if others else 2.9), sharex=True)
         ax1.errorbar(summ["m_max"], summ["tokens_per_s_mean"], yerr=_yerr(summ["tokens_per_s_mean"],
                      summ["tokens_per_s_lo"], summ["tokens_per_s_hi"]), color=c, marker="o", capsize=2,
                      elinewidth=0.8, label="SpecPrefetch")
@@ -263,9 +288,24 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
             ax1.axhline(ost.mean, color=color("off"), linestyle="--", linewidth=1.0, label="OFF")
             ax1.axhspan(ost.lo, ost.hi, color=color("off"), alpha=0.15, linewidth=0)
             cells.append(_stat_cell("OFF/throughput", "throughput", ost, {"policy": "OFF"}))
+        for k, (v, (vs, voff, vrows)) in enumerate(others.items()):
+            order = IO_ORDER_LABELS.get(_setting(vrows, "io_order", "demand_first"), v)
+            dim = {"color": c, "alpha": 0.75, "linestyle": "--", "capsize": 2, "elinewidth": 0.6}
+            ax1.errorbar(vs["m_max"] + 0.08 * (k + 1), vs["tokens_per_s_mean"], yerr=_yerr(
+                vs["tokens_per_s_mean"], vs["tokens_per_s_lo"], vs["tokens_per_s_hi"]), marker="o", mfc="white",
+                label=f"SpecPrefetch, {order}", **dim)
+            vr = vs.dropna(subset=["ready_pct_mean"])
+            ax2.errorbar(vr["m_max"] + 0.08 * (k + 1), vr["ready_pct_mean"], yerr=_yerr(
+                vr["ready_pct_mean"], vr["ready_pct_lo"], vr["ready_pct_hi"]), marker="s", mfc="white", **dim)
+            if not voff.empty:
+                vst = repeat_stats(voff["tokens_per_s"], voff["repeat"])
+                ax1.axhline(vst.mean, color=color("off"), linestyle=":", linewidth=1.0, label=f"OFF, {order}")
+                variant_cells.append(_stat_cell(f"{v}:OFF/throughput", "throughput", vst,
+                                                {"policy": "OFF", "variant": v}))
+            variant_cells += _sweep_cells(vs, f"{v}:", {"variant": v})
         ax1.set_ylabel("Throughput (tok/s)")
-        ax1.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False, columnspacing=1.0,
-                   handlelength=1.5)
+        ax1.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3 if not others else 2, frameon=False,
+                   columnspacing=1.0, handlelength=1.5)
         rr = summ.dropna(subset=["ready_pct_mean"])
         ax2.errorbar(rr["m_max"], rr["ready_pct_mean"], yerr=_yerr(rr["ready_pct_mean"], rr["ready_pct_lo"],
                      rr["ready_pct_hi"]), color=c, marker="s", capsize=2, elinewidth=0.8)
@@ -280,19 +320,13 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
                          fontsize=6, color="#555555")
         fig.align_ylabels((ax1, ax2))
         fig.tight_layout(h_pad=0.4)
-    for r in summ.itertuples():
-        cells.append(_stat_cell(f"M{r.m_max}/throughput", "throughput", r.tokens_per_s_stats,
-                                {"m_max": int(r.m_max)}))
-        if r.ready_pct_stats is not None:
-            cells.append(_stat_cell(f"M{r.m_max}/ready_recall", "ready_recall", r.ready_pct_stats,
-                                    {"m_max": int(r.m_max)}))
-        else:
-            cells.append(Cell(id=f"M{r.m_max}/ready_recall", quantity="ready_recall", value=None,
-                              keys={"m_max": int(r.m_max)}))
-    cells.append(Cell(id="peak_m_max", quantity="m_max", value=float(peak), keys={}))
+    cells += _sweep_cells(summ, "", {}) + variant_cells
     doc = TableDoc("fig4_budget", "Figure 4: prefetch budget sweep", cfg["profile"], cells,
                    meta={"platform": sel.platform, "model": sel.model, "profiled_m_max": profiled,
                          "storage": sorted(spec["storage"].unique()), "ci": CI_META,
+                         "io_order": _setting(rows, "io_order", "demand_first"),
+                         "variants": {v: {"io_order": _setting(r, "io_order", "demand_first")}
+                                      for v, (_, _, r) in others.items()},
                          "note": _ci_note(cfg, rows)})
     return FigureResult(fig, doc)
 
@@ -301,85 +335,152 @@ def _gain_label(g: float) -> str:
     return f"{g:+.1f}%"
 
 
+def variant_rows(runs: pd.DataFrame, sel: Any, experiment: str) -> dict[str, pd.DataFrame]:
+    """``experiment``'s runs in each variant of ``device.variants`` (runs.csv's ``<experiment>@<variant>``) on the
+    selected platform, model and source, by variant name, in the order they appear."""
+    sub = runs[(runs["platform"] == sel.platform) & (runs["model"] == sel.model) & (runs["source"] == sel.sources[0])]
+    out: dict[str, pd.DataFrame] = {}
+    for name in dict.fromkeys(sub["experiment"]):
+        base, variant = split_experiment(str(name))
+        if base == experiment and variant:
+            out[variant] = sub[sub["experiment"] == name]
+    return out
+
+
+def _setting(rows: pd.DataFrame, column: str, default: str) -> str:
+    """The emulation or I/O order the rows were measured under (runs.csv's column; files from before it existed
+    were measured under the bandwidth emulation and demand-first I/O, the only ones there were)."""
+    if column in rows and rows[column].notna().any():
+        return str(rows[column].dropna().iloc[0])
+    return default
+
+
+EMULATION_TITLES = {"delay": "delay emulation (the paper's)", "bandwidth": "bandwidth emulation"}
+IO_ORDER_LABELS = {"demand_first": "demand first", "fifo": "FIFO I/O"}
+
+
 def figure_storage(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv") -> FigureResult:
     """Figure 5: OFF vs SpecPrefetch throughput per storage profile (fastest to slowest) with 95 % bootstrap CIs,
     the paired gain on top; with runs.csv's optional ``bound_tokens_per_s`` a marker at each bar's bound and the
-    throughput as % of it (in the JSON)."""
+    throughput as % of it (in the JSON). One panel per emulation measured: the default's, then each variant's
+    (``device.variants``, e.g. the bandwidth emulation beside the paper's delay emulation); a variant's cells carry
+    its name (key ``variant``, id prefix ``<variant>:``)."""
     has_bound = bound_values(runs, path) is not None
     rows, sel = _device_rows(runs, path, cfg, "storage")
+    panels = {None: rows, **variant_rows(runs, sel, "storage")}
+    prepared = {v: _storage_gains(r, path, has_bound) for v, r in panels.items()}
+    has_bound = any(b for _, b in prepared.values())
+    cells: list[Cell] = []
+    budgets: dict[str, dict[str, int]] = {}
+    meta_variants: dict[str, dict[str, Any]] = {}
+    with _theme():
+        counts = [g["storage"].nunique() for g, _ in prepared.values()]
+        wide = COLUMN_WIDTH_IN if len(panels) == 1 else max(COLUMN_WIDTH_IN, 0.8 + 0.75 * sum(counts))
+        fig, axes = plt.subplots(1, len(panels), figsize=(wide, 2.4 if has_bound or len(panels) > 1 else 2.2),
+                                 sharey=True, squeeze=False, gridspec_kw={"width_ratios": counts})
+        top_all = 0.0
+        for ax, (variant, (g, bound)) in zip(axes[0], prepared.items(), strict=True):
+            emulation = _setting(g, "emulation", "bandwidth")
+            top_all = max(top_all, _storage_panel(ax, g, bound, variant, cells, wrap=len(panels) > 1))
+            spec = g[g["policy"] == "specprefetch"]
+            storages = [s for s in STORAGE_ORDER if s in set(g["storage"])]
+            budgets[variant or ""] = {s: _unique_m_max(spec[spec["storage"] == s], path,
+                                                       f"Figure 5, SpecPrefetch on {s!r}") for s in storages}
+            if len(panels) > 1:
+                ax.set_title(EMULATION_TITLES.get(emulation, emulation), fontsize=7)
+            if variant:
+                meta_variants[variant] = {"emulation": emulation, "m_max_per_storage": budgets[variant]}
+        for ax in axes[0]:
+            ax.set_ylim(0, top_all * 1.18)
+        first = axes[0][0]
+        first.set_ylabel("Throughput (tok/s)")
+        if len(panels) > 1:  # one legend above both panels, clear of the titles and gain labels
+            fig.supxlabel("Expert storage (fast → slow)", fontsize=8)
+            handles, labels = first.get_legend_handles_labels()
+            fig.legend(handles, labels, title=None, frameon=False, loc="upper center", ncol=3,
+                       bbox_to_anchor=(0.5, 1.0))
+            fig.tight_layout(rect=(0, 0, 1, 0.9))
+        else:
+            first.set_xlabel("Expert storage (fast → slow)")
+            if has_bound:  # three entries: above the axes, clear of the gain labels
+                first.legend(title=None, frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3)
+            else:
+                first.legend(title=None, frameon=False, loc="upper right", ncol=2)
+            fig.tight_layout()
+    doc = TableDoc("fig5_storage", "Figure 5: storage sensitivity", cfg["profile"], cells,
+                   meta={"platform": sel.platform, "model": sel.model, "bound": has_bound, "ci": CI_META,
+                         "emulation": _setting(rows, "emulation", "bandwidth"),
+                         "m_max_per_storage": budgets[""], "variants": meta_variants,
+                         "note": _ci_note(cfg, prepared[None][0])})
+    return FigureResult(fig, doc)
+
+
+def _storage_gains(rows: pd.DataFrame, path: Path | str, has_bound: bool) -> tuple[pd.DataFrame, bool]:
+    """One panel's rows of Figure 5 (OFF and SpecPrefetch) with their paired gains and, if measured, the share of
+    the bound."""
     rows = rows[rows["policy"].isin(["off", "specprefetch"])]
     require_rows(rows, path, "Figure 5", policy="specprefetch")
     g = paired_gains(rows, path)
-    extra = []
     if has_bound:
         g = g.assign(**{BOUND_COLUMN: pd.to_numeric(g[BOUND_COLUMN], errors="coerce")})
         g["of_bound_pct"] = g["tokens_per_s"] / g[BOUND_COLUMN] * 100.0
         has_bound = bool(g[BOUND_COLUMN].notna().any())
-        extra = [BOUND_COLUMN, "of_bound_pct"] if has_bound else []
+    return g, has_bound
+
+
+def _storage_panel(ax: Any, g: pd.DataFrame, has_bound: bool, variant: str | None, cells: list[Cell],
+                   wrap: bool = False) -> float:
+    """Draw one panel of Figure 5 and append its cells; returns the panel's highest point (``wrap``: storage names
+    on two lines, for side-by-side panels)."""
+    extra = [BOUND_COLUMN, "of_bound_pct"] if has_bound else []
     storages = [s for s in STORAGE_ORDER if s in set(g["storage"])]
     policies = ["off", "specprefetch"]
     summ = summarize(g, ["storage", "policy"], ["tokens_per_s", "gain_pct", *extra])
-    cells = []
+    prefix = f"{variant}:" if variant else ""
+    tag = {"variant": variant} if variant else {}
     width = 0.36
-    with _theme():
-        fig, ax = plt.subplots(figsize=(COLUMN_WIDTH_IN, 2.4 if has_bound else 2.2))
-        top = {}
-        bound_label = True
-        for j, p in enumerate(policies):
-            for i, s in enumerate(storages):
-                sp = summ[(summ["storage"] == s) & (summ["policy"] == p)]
-                if sp.empty:
-                    continue
-                r = sp.iloc[0]
-                x = i + (j - 0.5) * width
-                ax.bar(x, r["tokens_per_s_mean"], width=width * 0.94, color=color(p),
-                       label=POLICY_LABELS[p] if i == 0 else None,
-                       yerr=[[r["tokens_per_s_mean"] - r["tokens_per_s_lo"]],
-                             [r["tokens_per_s_hi"] - r["tokens_per_s_mean"]]],
-                       error_kw={"elinewidth": 0.8, "capsize": 2, "ecolor": "#222222"})
-                high = r["tokens_per_s_hi"]
-                if has_bound and r[f"{BOUND_COLUMN}_stats"] is not None:
-                    b = r[f"{BOUND_COLUMN}_mean"]
-                    ax.plot([x], [b], marker="_", markersize=9, markeredgewidth=1.4, color="black",
-                            linestyle="none", label="bound" if bound_label else None, zorder=4)
-                    bound_label = False
-                    high = max(high, b)
-                top[s] = max(top.get(s, 0.0), float(high))
+    top: dict[str, float] = {}
+    bound_label = True
+    for j, p in enumerate(policies):
         for i, s in enumerate(storages):
-            sp = summ[(summ["storage"] == s) & (summ["policy"] == "specprefetch")]
-            st = sp["gain_pct_stats"].iloc[0]
-            ax.text(i, top[s] * 1.03, _gain_label(st.mean), ha="center", va="bottom", fontsize=6.5,
-                    color=color("specprefetch"), fontweight="bold")
-            cells.append(_stat_cell(f"{s}/gain", "gain", st, {"storage": s, "policy": "SpecPrefetch"}))
-        for r in summ.itertuples():
-            key = {"storage": r.storage, "policy": POLICY_LABELS[r.policy]}
-            cells.append(_stat_cell(f"{r.storage}/{POLICY_LABELS[r.policy]}/throughput", "throughput",
-                                    r.tokens_per_s_stats, key))
-            if has_bound:
-                bst, ost = getattr(r, f"{BOUND_COLUMN}_stats"), r.of_bound_pct_stats
-                cells.append(Cell(id=f"{r.storage}/{POLICY_LABELS[r.policy]}/bound", quantity="throughput",
-                                  value=None, keys=key) if bst is None else
-                             _stat_cell(f"{r.storage}/{POLICY_LABELS[r.policy]}/bound", "throughput", bst, key))
-                cells.append(Cell(id=f"{r.storage}/{POLICY_LABELS[r.policy]}/of_bound", quantity="share_pct",
-                                  value=None, keys=key) if ost is None else
-                             _stat_cell(f"{r.storage}/{POLICY_LABELS[r.policy]}/of_bound", "share_pct", ost, key))
-        ax.set_xticks(range(len(storages)), [storage_label(s) for s in storages])
-        ax.set_ylim(0, max(top.values()) * 1.18)
-        ax.set_xlabel("Expert storage (fast → slow)")
-        ax.set_ylabel("Throughput (tok/s)")
-        ax.grid(axis="x", visible=False)
-        if has_bound:  # three entries: above the axes, clear of the gain labels
-            ax.legend(title=None, frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3)
-        else:
-            ax.legend(title=None, frameon=False, loc="upper right", ncol=2)
-        fig.tight_layout()
-    spec = g[g["policy"] == "specprefetch"]
-    budgets = {s: _unique_m_max(spec[spec["storage"] == s], path, f"Figure 5, SpecPrefetch on {s!r}")
-               for s in storages}
-    doc = TableDoc("fig5_storage", "Figure 5: storage sensitivity", cfg["profile"], cells,
-                   meta={"platform": sel.platform, "model": sel.model, "bound": has_bound, "ci": CI_META,
-                         "m_max_per_storage": budgets, "note": _ci_note(cfg, g)})
-    return FigureResult(fig, doc)
+            sp = summ[(summ["storage"] == s) & (summ["policy"] == p)]
+            if sp.empty:
+                continue
+            r = sp.iloc[0]
+            x = i + (j - 0.5) * width
+            ax.bar(x, r["tokens_per_s_mean"], width=width * 0.94, color=color(p),
+                   label=POLICY_LABELS[p] if i == 0 else None,
+                   yerr=[[r["tokens_per_s_mean"] - r["tokens_per_s_lo"]],
+                         [r["tokens_per_s_hi"] - r["tokens_per_s_mean"]]],
+                   error_kw={"elinewidth": 0.8, "capsize": 2, "ecolor": "#222222"})
+            high = r["tokens_per_s_hi"]
+            if has_bound and r[f"{BOUND_COLUMN}_stats"] is not None:
+                b = r[f"{BOUND_COLUMN}_mean"]
+                ax.plot([x], [b], marker="_", markersize=9, markeredgewidth=1.4, color="black",
+                        linestyle="none", label="bound" if bound_label else None, zorder=4)
+                bound_label = False
+                high = max(high, b)
+            top[s] = max(top.get(s, 0.0), float(high))
+    for i, s in enumerate(storages):
+        sp = summ[(summ["storage"] == s) & (summ["policy"] == "specprefetch")]
+        st = sp["gain_pct_stats"].iloc[0]
+        ax.text(i, top[s] * 1.03, _gain_label(st.mean), ha="center", va="bottom", fontsize=6.5,
+                color=color("specprefetch"), fontweight="bold")
+        cells.append(_stat_cell(f"{prefix}{s}/gain", "gain", st, {"storage": s, "policy": "SpecPrefetch", **tag}))
+    for r in summ.itertuples():
+        key = {"storage": r.storage, "policy": POLICY_LABELS[r.policy], **tag}
+        base = f"{prefix}{r.storage}/{POLICY_LABELS[r.policy]}"
+        cells.append(_stat_cell(f"{base}/throughput", "throughput", r.tokens_per_s_stats, key))
+        if has_bound:
+            bst, ost = getattr(r, f"{BOUND_COLUMN}_stats"), r.of_bound_pct_stats
+            cells.append(Cell(id=f"{base}/bound", quantity="throughput", value=None, keys=key) if bst is None else
+                         _stat_cell(f"{base}/bound", "throughput", bst, key))
+            cells.append(Cell(id=f"{base}/of_bound", quantity="share_pct", value=None, keys=key) if ost is None
+                         else _stat_cell(f"{base}/of_bound", "share_pct", ost, key))
+    names = [storage_label(s) for s in storages]
+    ax.set_xticks(range(len(storages)), [n.replace(" ", "\n", 1) for n in names] if wrap else names)
+    ax.grid(axis="x", visible=False)
+    return max(top.values())
 
 
 COMPONENT_BARS = (  # (policy, compute_opt, label)

@@ -46,12 +46,17 @@ def _setup(args: argparse.Namespace, need_prompts: bool = True) -> dict[str, Any
     import torch
 
     from specprefetch.models import load_bundle
-    from specprefetch.runtime.core.settings import device_settings, platform_label, resolve_accelerator
+    from specprefetch.runtime.core.settings import (
+        device_settings,
+        platform_label,
+        resolve_accelerator,
+        variant_settings,
+    )
     from specprefetch.runtime.core.store import ExpertStore
     from specprefetch.runtime.measurement.decode import prompts_from_workload
 
     cfg = load_args_config(args)
-    settings = device_settings(cfg)
+    settings = variant_settings(device_settings(cfg), getattr(args, "variant", None))
     accel = resolve_accelerator(settings, getattr(args, "device", None))
     torch.set_num_threads(int(settings["threads"]))
     seed_everything(int(cfg["seed"]))
@@ -123,12 +128,16 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     env = _setup(args)
     profile = _window_profile(args.window, args.model)
     harness = _harness(env)
-    from specprefetch.runtime.core.settings import experiments_for
+    from specprefetch.runtime.core.settings import device_settings, variant_experiments
 
-    experiments = args.experiments.split(",") if args.experiments else experiments_for(env["settings"], args.model)
+    experiments = (args.experiments.split(",") if args.experiments else
+                   variant_experiments(device_settings(env["cfg"]), args.model, args.variant))
+    if not experiments:
+        raise SpecPrefetchError(f"variant {args.variant!r} measures none of {args.model}'s experiments "
+                                "(device.model_experiments)")
     try:
         bench_runtime(harness, profile, args.model, env["platform"], args.out, experiments, args.routing_out,
-                      _fragment(env["cfg"], args.model), seed=int(env["cfg"]["seed"]))
+                      _fragment(env["cfg"], args.model), seed=int(env["cfg"]["seed"]), variant=args.variant)
     finally:
         harness.close()
 
@@ -271,6 +280,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _predictor_arg(p)
     _device_arg(p)
     p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--variant", default=None, help="a device.variants name: profile under its emulation and I/O order")
     p.set_defaults(func=_cmd_profile_window)
 
     p = sub.add_parser("bench-runtime", help="paired interleaved runtime benchmarks -> runs CSV")
@@ -283,6 +293,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--experiments", default=None, help="comma-separated subset (default: config)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--routing-out", type=Path, default=None, help="recorded routing for the simulator (.pt)")
+    p.add_argument("--variant", default=None,
+                   help="a device.variants name: its experiments under its emulation and I/O order (rows named "
+                        "<experiment>@<variant>); --window must be that variant's profile")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("simulate", help="trace-driven simulator: platform estimates from routing traces")

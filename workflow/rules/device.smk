@@ -1,6 +1,11 @@
 # Offloaded-MoE runtime (issue 5): expert store, window profiling, paired runtime benchmarks, the trace-driven
 # simulator, external device logs, and accuracy through lm-eval (Tables 4-5, Figures 1, 4, 5, 6).
 # Timing rules take every core (threads: P.exclusive_threads) so nothing else runs while they measure.
+# profile_window and bench_runtime also measure each device.variants entry ({variant_tag}: "" or "@<variant>").
+
+
+wildcard_constraints:
+    variant_tag=P.VARIANT_TAG,
 
 
 rule build_expert_store:
@@ -36,11 +41,11 @@ rule profile_window:
         workload=P.workload_dir(P.device_workload),
         predictors=lambda w: P.device_predictor_dirs(w.model),
     output:
-        directory(P.window_dir()),
+        directory(P.window_dir(tag="{variant_tag}")),
     log:
-        P.log_path("profile_window", "{model}"),
+        P.log_path("profile_window", "{model}{variant_tag}"),
     benchmark:
-        P.benchmark_path("profile_window", "{model}")
+        P.benchmark_path("profile_window", "{model}{variant_tag}")
     conda:
         P.conda_env
     threads: P.exclusive_threads
@@ -52,27 +57,28 @@ rule profile_window:
         cfg=lambda w: P.hash_of("device", model=w.model),
         model_dir=lambda w: P.model_dir_arg(w.model),
         predictors=lambda w: P.device_predictor_args(w.model),
+        variant=lambda w: P.variant_arg(w.variant_tag),
     shell:
         "{params.cli} profile-window --config {params.config:q} --model {wildcards.model:q} {params.model_dir} "
-        "--store {input.store:q} --workload-dir {input.workload:q} {params.predictors} --out {output:q} "
-        "2>&1 | tee {log:q}"
+        "--store {input.store:q} --workload-dir {input.workload:q} {params.predictors} {params.variant} "
+        "--out {output:q} 2>&1 | tee {log:q}"
 
 
 rule bench_runtime:
     """Paired, interleaved, repeated decoding runs of every policy / budget / storage / compute_opt."""
     input:
         store=P.store_dir(),
-        window=P.window_dir(),
+        window=P.window_dir(tag="{variant_tag}"),
         model=lambda w: P.model_inputs(w.model),
         workload=P.workload_dir(P.device_workload),
         predictors=lambda w: P.device_predictor_dirs(w.model),
     output:
-        runs=P.measured_csv(),
-        routing=P.routing_file(),
+        runs=P.measured_csv(tag="{variant_tag}"),
+        routing=P.routing_file(tag="{variant_tag}"),
     log:
-        P.log_path("bench_runtime", "{model}"),
+        P.log_path("bench_runtime", "{model}{variant_tag}"),
     benchmark:
-        P.benchmark_path("bench_runtime", "{model}")
+        P.benchmark_path("bench_runtime", "{model}{variant_tag}")
     conda:
         P.conda_env
     threads: P.exclusive_threads
@@ -84,10 +90,11 @@ rule bench_runtime:
         cfg=lambda w: P.hash_of("device", model=w.model),
         model_dir=lambda w: P.model_dir_arg(w.model),
         predictors=lambda w: P.device_predictor_args(w.model),
+        variant=lambda w: P.variant_arg(w.variant_tag),
     shell:
         "{params.cli} bench-runtime --config {params.config:q} --model {wildcards.model:q} {params.model_dir} "
         "--store {input.store:q} --window {input.window:q} --workload-dir {input.workload:q} {params.predictors} "
-        "--out {output.runs:q} --routing-out {output.routing:q} 2>&1 | tee {log:q}"
+        "{params.variant} --out {output.runs:q} --routing-out {output.routing:q} 2>&1 | tee {log:q}"
 
 
 rule simulate_device:
@@ -177,7 +184,7 @@ rule evaluate_offloaded:
 rule collect_device_benchmarks:
     """Validate external device logs and merge them with measured and simulated runs; gather the window files."""
     input:
-        measured=[P.measured_csv(m) for m in P.device_models],
+        measured=[P.measured_csv(m, tag) for m, tag in P.device_benchmarks()],
         simulated=[P.simulated_csv(m) for m in P.device_models],
         validation=[P.sim_validation_csv(m) for m in P.device_models],
         windows=[P.window_dir(m) for m in P.device_models],

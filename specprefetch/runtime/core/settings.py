@@ -14,7 +14,7 @@ from specprefetch.config import cache_experts, device_settings
 from specprefetch.io import SpecPrefetchError
 
 __all__ = ["cache_capacity", "device_settings", "experiments_for", "platform_label",
-           "resolve_accelerator"]
+           "resolve_accelerator", "variant_settings", "variants_for"]
 
 def resolve_accelerator(d: dict[str, Any], override: str | None = None) -> str:
     """'cpu' or 'cuda' (auto: cuda when available)."""
@@ -43,3 +43,28 @@ def cache_capacity(d: dict[str, Any], total_experts: int, top_k: int) -> int:
 def experiments_for(d: Mapping[str, Any], model: str) -> list[str]:
     """The benchmark experiments of ``model``: ``device.model_experiments[model]``, else ``device.experiments``."""
     return list(d["model_experiments"].get(model, d["experiments"]))
+
+
+def variant_settings(d: dict[str, Any], variant: str | None) -> dict[str, Any]:
+    """The ``device`` section as variant ``variant`` of ``device.variants`` measures it (its emulation, I/O order and
+    experiments over the default's); ``d`` itself for None."""
+    if not variant:
+        return d
+    if variant not in d["variants"]:
+        raise SpecPrefetchError(f"unknown device variant {variant!r}; device.variants has "
+                                f"{', '.join(d['variants']) or 'none'}")
+    return {**d, **d["variants"][variant]}
+
+
+def variants_for(d: Mapping[str, Any], model: str) -> list[str]:
+    """The variants that measure something of ``model``: those with an experiment among the model's own."""
+    mine = set(experiments_for(d, model))
+    return [name for name, v in d["variants"].items() if mine & set(v["experiments"])]
+
+
+def variant_experiments(d: Mapping[str, Any], model: str, variant: str | None) -> list[str]:
+    """The experiments ``model`` runs in ``variant`` (None: the default): the variant's, among the model's own."""
+    mine = experiments_for(d, model)
+    if not variant:
+        return mine
+    return [e for e in d["variants"][variant]["experiments"] if e in mine]

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from specprefetch.contracts import ROUTING_FORMAT, RUN_COLUMNS, save_tensor_tree
+from specprefetch.contracts import ROUTING_FORMAT, RUN_COLUMNS, save_tensor_tree, variant_experiment
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance
 from specprefetch.metrics import bootstrap_ci
 from specprefetch.runtime.core.budget import layer_budgets, profiled_physical_ms, run_budget, storage_budgets
@@ -328,8 +328,9 @@ def measure_block(harness: Harness, configs: dict[int, RunConfig], lockstep: boo
 
 def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platform: str, out_csv: str | Path,
                   experiments: Iterable[str] | None = None, routing_out: str | Path | None = None,
-                  config_fragment: Any = None, seed: int = 0) -> list[dict[str, Any]]:
-    """Run every experiment and write ``out_csv`` (one row per run and experiment); returns the rows.
+                  config_fragment: Any = None, seed: int = 0, variant: str | None = None) -> list[dict[str, Any]]:
+    """Run every experiment and write ``out_csv`` (one row per run and experiment); returns the rows. ``variant``
+    (of ``device.variants``, whose settings the harness has): its rows are named ``<experiment>@<variant>``.
 
     Round by round (every block's repeat ``r`` before any block's repeat ``r + 1``, blocks in a seeded random order),
     each (block, repeat)'s configurations (:func:`storage_blocks`), in a seeded random order (``block_order``; column
@@ -346,6 +347,10 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     n_repeats = _measure_rounds(harness, blocks, rec, seed)
     rows = _experiment_rows(plan, blocks, rec, n_repeats)
     set_bounds(rows, rec.events_of, profile, harness.store.n_layers, rec.timings_of)
+    for row in rows:
+        row["experiment"] = variant_experiment(row["experiment"], variant)
+        row["measured_in"] = variant_experiment(row["measured_in"], variant)
+        row["emulation"], row["io_order"] = harness.settings["emulation"], harness.settings["io_order"]
     write_runs_csv(out_csv, rows)
     if routing_out is not None:
         save_tensor_tree(routing_out, {"model": model, "platform": platform, "capacity": harness.capacity,
