@@ -525,7 +525,8 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     assert set(host["storage"]) == set(prof["transfer_ms_used"])
     for _, r in host.iterrows():
         assert r["m_max"] == prof["m_max_per_storage"][r["storage"]]
-        assert r["w_over_t"] == pytest.approx(prof["window_ms_median"] / prof["transfer_ms_used"][r["storage"]])
+        w_over_t = prof["window_ms_median"] / prof["transfer_ms_used"][r["storage"]]
+        assert r["w_over_t"] == pytest.approx(w_over_t, rel=1e-4)  # host.csv keeps 6 significant digits
         assert (r["emulation"] != "none") == (r["storage"] in EMULATED) and r["compute_ms"] > 0
     with open(tmp_path / "window" / "latency.csv") as f:
         lat = list(csv.DictReader(f))
@@ -539,6 +540,10 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         ("false", "off"), ("false", "specprefetch"), ("true", "off"), ("true", "specprefetch")}
     for r in got:
         assert float(r["tokens_per_s"]) > 0 and 0 <= float(r["ready_recall"]) <= 1 and r["tokens_match"] == "true"
+        # against the trained model's own greedy decode (its own experts, not the store's): the tiny test model's
+        # store keeps its experts as they are, so tokens and every routed expert set are the trained model's
+        assert r["tokens_match_trained"] == "true" and int(r["routing_sets"]) > 0
+        assert int(r["routing_diff_trained"]) == 0
         assert float(r["bound_tokens_per_s"]) > 0 and len(r["tokens_sha256"]) == 64
         assert float(r["bound_own_tokens_per_s"]) > 0
         assert int(r["peak_cache_experts"]) <= int(r["capacity_experts"])
@@ -1305,3 +1310,27 @@ def test_all_resident_runs_share_one_pool_read_once(setup: dict[str, Any], monke
         h.close()
     assert first.tokens() == plain and all(r.tokens() == plain for r in again)
     assert first.stats.ready_recall == 1.0 and again[0].stats.ready_recall == 1.0
+
+
+def test_a_run_against_the_trained_models_decode() -> None:
+    """``against_trained``: tokens compared with the trained model's, and the (token, layer) expert sets that differ
+    (as sets: the order within a top-k does not count), aligned at the end (a block may prefill once)."""
+    from types import SimpleNamespace
+
+    from specprefetch.runtime.measurement.bench import against_trained
+
+    ref = [torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.tensor([[1, 2], [3, 4], [5, 6]])]  # 2 layers, 3 tokens
+    trained = [([7, 8], ref)]
+
+    def ev(step: int, layer: int, topk: list[list[int]]) -> Any:
+        return SimpleNamespace(step=step, layer=layer, topk=torch.tensor(topk))
+
+    same = [ev(0, 0, [[1, 0], [2, 3]]), ev(0, 1, [[1, 2], [4, 3]]), ev(1, 0, [[5, 4]]), ev(1, 1, [[5, 6]])]
+    res = SimpleNamespace(events=same, tokens=lambda: [[7, 8]])
+    assert against_trained(res, trained) == {"tokens_match_trained": True, "routing_diff_trained": 0,
+                                             "routing_sets": 6}
+    flipped = [*same[:3], ev(1, 1, [[5, 7]])]  # the last token's layer-1 set: a near-tie flipped
+    res = SimpleNamespace(events=flipped[2:], tokens=lambda: [[7, 9]])  # no prefill events: aligned at the end
+    assert against_trained(res, trained) == {"tokens_match_trained": False, "routing_diff_trained": 1,
+                                             "routing_sets": 2}
+    assert against_trained(res, None) == {}

@@ -268,6 +268,32 @@ def run_row(res: RunResult, cfg: RunConfig, repeat: int, platform: str, model: s
     }
 
 
+def against_trained(res: RunResult, trained: list[tuple[list[int], list[torch.Tensor]]] | None) -> dict[str, Any]:
+    """A run against the trained model's own greedy decode (:meth:`Harness.trained_reference`): whether its tokens are
+    the trained model's, and in how many of the (token, MoE layer) expert sets it routed differently (the store's
+    widened 4-bit experts move hidden states by rounding, which flips near-tied top-k choices) out of how many.
+    Empty where there is no reference (CUDA)."""
+    if trained is None:
+        return {}
+    match = res.tokens() == [t for t, _ in trained]
+    n_layers = len(trained[0][1])
+    ref = [torch.cat([topk[layer] for _, topk in trained]) for layer in range(n_layers)]
+    got: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+    for ev in res.events:
+        if ev.topk is not None and ev.layer < n_layers:
+            got[ev.layer].append(ev.topk.reshape(-1, ev.topk.shape[-1]).long())
+    differ = total = 0
+    for layer in range(n_layers):
+        if not got[layer]:
+            continue
+        run = torch.cat(got[layer])
+        n = min(len(run), len(ref[layer]))  # aligned at the end: a lockstep block may prefill once for all its runs
+        a, b = run[-n:].sort(dim=-1).values, ref[layer][-n:].long().sort(dim=-1).values
+        differ += int((a != b).any(dim=-1).sum())
+        total += n
+    return {"tokens_match_trained": match, "routing_diff_trained": differ, "routing_sets": total}
+
+
 def recorded_routing(res: RunResult) -> list[dict[str, Any]]:
     """The run's per-event routing and priorities, compactly (the simulator's replay input)."""
     return [{"step": ev.step, "layer": ev.layer, "topk": ev.topk.to(torch.int16) if ev.topk is not None else None,
@@ -343,7 +369,7 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     plan, blocks = _plan_blocks(harness.settings, profile, experiments)
     plain = _warm_up(harness)
     n_runs = sum(len(b.configs) for b in blocks) * int(harness.settings["repeats"])
-    rec = _Recorder(harness, plain, model, platform, n_runs)
+    rec = _Recorder(harness, plain, model, platform, n_runs, harness.trained_reference())
     n_repeats = _measure_rounds(harness, blocks, rec, seed)
     rows = _experiment_rows(plan, blocks, rec, n_repeats)
     set_bounds(rows, rec.events_of, profile, harness.store.n_layers, rec.timings_of)
@@ -395,8 +421,10 @@ class _Recorder:
     """Every measured run of one benchmark: its row per (block, repeat, signature), its events and timing per
     (experiment, repeat, signature), and the routing record (one per configuration, with every repeat's row)."""
 
-    def __init__(self, harness: Harness, plain: list[list[int]], model: str, platform: str, n_runs: int) -> None:
+    def __init__(self, harness: Harness, plain: list[list[int]], model: str, platform: str, n_runs: int,
+                 trained: list[tuple[list[int], list[torch.Tensor]]] | None = None) -> None:
         self.harness, self.plain, self.model, self.platform = harness, plain, model, platform
+        self.trained = trained
         self.rows: dict[RunKey, dict[str, Any]] = {}
         self.events_of: dict[RunKey, list[Any]] = {}
         self.timings_of: dict[RunKey, dict[str, Any]] = {}
@@ -411,7 +439,7 @@ class _Recorder:
             raise SpecPrefetchError(f"{self.model}: run {cfg.key} repeat {r} decoded other tokens than the plain "
                                     "model's greedy generate(); the offloaded runtime must not change outputs")
         row = {**run_row(res, cfg, r, self.platform, self.model, self.harness.store.layout, match, float("nan")),
-               "run_order": pos, "block": block}
+               "run_order": pos, "block": block, **against_trained(res, self.trained)}
         self.rows[(block, r, cfg.signature)] = row
         self.events_of[(cfg.experiment, r, cfg.signature)] = res.events
         self.timings_of[(cfg.experiment, r, cfg.signature)] = timing = run_timing(res, self.harness.store.n_layers)

@@ -143,6 +143,31 @@ class Harness:
             for b, mod in zip(self.blocks, saved):
                 b.block.experts = mod
 
+    def trained_reference(self) -> list[tuple[list[int], list[torch.Tensor]]] | None:
+        """The trained model's own greedy decode of each prompt -- its own routed experts in their trained dtype, not
+        the store's (widened, 4-bit) records -- with the experts every MoE layer executed per token ([tokens, K] per
+        layer, prefill then decode, as the runs' events record them): what each run's tokens and routing are compared
+        with (bench: ``tokens_match_trained``, ``routing_diff_trained``). None on CUDA, where the trained experts
+        never reach the GPU."""
+        if self.device.type != "cpu":
+            return None
+        from specprefetch.models.capture import RouterCapture
+
+        current = [b.block.experts for b in self.blocks]
+        for b, mod in zip(self.blocks, self.originals, strict=True):
+            b.block.experts = mod
+        try:
+            out = []
+            for p in self.prompts:
+                with RouterCapture(self.model, self.spec) as cap:
+                    g = greedy_generate(self.model, p, int(self.settings["max_new_tokens"]), fixed_length=True,
+                                        tokenizer=self.tokenizer)
+                out.append((g.new_ids, [t.cpu() for t in cap.executed_topk()]))
+            return out
+        finally:
+            for b, mod in zip(self.blocks, current, strict=True):
+                b.block.experts = mod
+
     def close(self) -> None:
         for r in self._readers.values():
             r.close()
