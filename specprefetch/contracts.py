@@ -331,6 +331,9 @@ CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
         Column("model"), Column("workload"), Column("tokens", allowed=REALISM_TOKEN_TYPES), Column("M", "int", lo=1),
         Column("n_tokens", "int", lo=0, lo_open=True), Column("fate_recall", "float", lo=0.0, hi=1.0),
         Column("input_cosine", "float", lo=-1.0, hi=1.0), Column("load_entropy", "float", lo=0.0, hi=1.0),
+        # FATE looking d layers ahead (the gate of layer l+d on x^l; d = 1 is fate_recall); empty where the model has
+        # no such pair, and in files from before the look-ahead was measured
+        *(Column(f"fate_recall_d{d}", "float", lo=0.0, hi=1.0, nullable=True, default="") for d in (2, 3)),
     ),
 }
 

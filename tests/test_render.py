@@ -170,7 +170,9 @@ def _realism_rows(cfg: dict) -> pd.DataFrame:
             kinds = ("all", "text", "image") if wc["category"] == "VLM" else ("all", "text")
             rows += [{"model": m, "workload": w, "tokens": t, "M": mc["top_k"], "n_tokens": 100 + k,
                       "fate_recall": 0.6 + 0.05 * i + 0.02 * j + 0.01 * k, "input_cosine": 0.9 - 0.01 * k,
-                      "load_entropy": 0.95 - 0.1 * k} for k, t in enumerate(kinds)]
+                      "load_entropy": 0.95 - 0.1 * k,
+                      "fate_recall_d2": 0.5 + 0.05 * i + 0.02 * j, "fate_recall_d3": 0.42 + 0.05 * i + 0.02 * j}
+                     for k, t in enumerate(kinds)]
     return pd.DataFrame(rows)
 
 
@@ -659,6 +661,14 @@ def test_cli_render_tables_and_missing_input(tmp_path: Path, results: dict[str, 
     assert not (tmp_path / "table4_overhead.tex").exists()
 
 
+def test_lookahead_figure_reads_the_realism_columns(rendered: Path, cfg: dict) -> None:
+    """FATE looking d = 1, 2, 3 layers ahead per model and workload (all tokens), from the realism CSV."""
+    doc = read_table_doc(rendered / "figures" / "fig_lookahead.json").by_id()
+    qwen, gsm = cfg["models"]["tiny-qwen3-vl-moe"]["display_name"], cfg["workloads"]["gsm8k"]["display_name"]
+    assert [doc[f"{qwen}/{gsm}/d{d}"].value for d in (1, 2, 3)] == pytest.approx([60.0, 50.0, 42.0])
+    assert doc[f"{qwen}/{gsm}/d2"].keys["d"] == 2 and (rendered / "figures" / "fig_lookahead.png").exists()
+
+
 def test_registries_agree_with_the_rule_targets() -> None:
     from specprefetch.render import targets
     from specprefetch.render.figures import FIGURES
@@ -668,7 +678,7 @@ def test_registries_agree_with_the_rule_targets() -> None:
     assert {k: v.inputs for k, v in FIGURES.items()} == targets.FIGURE_INPUTS
     outs = targets.all_outputs({"render": {"out_dir": "x"}}, with_pdf=True)
     assert "x/paper_tables.pdf" in outs and "x/table5_matched_vs_paper.tex" in outs
-    assert "x/results/runs.csv" in outs and len(outs) == 12 + 18 + 8 + 2 + len(targets.RESULT_PATHS)
+    assert "x/results/runs.csv" in outs and len(outs) == 12 + 21 + 8 + 2 + len(targets.RESULT_PATHS)
     assert "x/table0_realism.tex" in outs and "x/table0_realism_vs_paper.tex" not in outs  # itself a comparison
     smk = (ROOT / "workflow" / "rules" / "render.smk").read_text()
     for rule in ("render_table", "render_figure", "compare_with_paper", "write_preview", "compile_preview"):

@@ -576,6 +576,47 @@ def figure_recall_per_layer(per_layer: pd.DataFrame, cfg: Mapping[str, Any],
     return FigureResult(fig, doc)
 
 
+def figure_lookahead(realism: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "realism.csv") -> FigureResult:
+    """FATE's ExpertRecall@K looking d = 1, 2, 3 MoE layers ahead (the gate of layer l+d on x^l), per workload, one
+    panel per model, all tokens: how much of the routing's predictability a longer prefetch window gives up, from the
+    model's side (a training-free predictor: beyond the paper, which predicts one layer ahead)."""
+    from specprefetch.traces.realism import LOOKAHEAD
+
+    rows = realism[realism["tokens"] == "all"]
+    models = [m for m in cfg["models"] if m in set(rows["model"])]
+    if not models:
+        raise RenderInputError(f"{path}: no rows for any configured model ({', '.join(cfg['models'])}) "
+                               "(column 'model')")
+    cols = {1: "fate_recall", **{d: f"fate_recall_d{d}" for d in LOOKAHEAD}}
+    cells = []
+    with _theme():
+        fig, axes = plt.subplots(1, len(models), figsize=(COLUMN_WIDTH_IN * (1.0 if len(models) == 1 else 1.5), 2.1),
+                                 sharey=True, squeeze=False)
+        for ax, m in zip(axes[0], models, strict=True):
+            sub = rows[rows["model"] == m]
+            for i, r in enumerate(sub.itertuples()):
+                ds = [d for d, c in cols.items() if pd.notna(getattr(r, c))]
+                vals = [float(getattr(r, cols[d])) * 100.0 for d in ds]
+                wl = cfg["workloads"].get(r.workload)
+                name = str(wl["display_name"]) if wl else str(r.workload)
+                ax.plot(ds, vals, marker="o", markersize=3, linewidth=1.1, color=sns.color_palette("deep")[i % 10],
+                        label=name)
+                cells += [Cell(id=f"{model_display(cfg, m)}/{name}/d{d}", quantity="recall", value=v,
+                               keys={"model": model_display(cfg, m), "workload": name, "d": d, "M": int(r.M)})
+                          for d, v in zip(ds, vals, strict=True)]
+            ax.set_title(_display(cfg, m), loc="left")
+            ax.set_xticks(list(cols))
+            ax.set_xlabel("Look-ahead $d$ (MoE layers)")
+        axes[0, 0].set_ylabel("FATE R@$K$ (%)")
+        handles, labels = axes[0, 0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="upper center", ncol=min(5, len(labels)), frameon=False,
+                   bbox_to_anchor=(0.5, 1.0), columnspacing=0.8, handlelength=1.5)
+        fig.tight_layout(rect=(0, 0, 1, 0.84))
+    doc = TableDoc("fig_lookahead", "FATE ExpertRecall@K vs look-ahead distance", cfg["profile"], cells,
+                   meta={"note": _caption_note(cfg), "lookahead": list(cols)})
+    return FigureResult(fig, doc)
+
+
 # --------------------------------------------------------------------------------------------- registry
 
 
@@ -630,6 +671,9 @@ FIGURES: dict[str, FigureSpec] = {
                                        _from_csv("per_layer", figure_recall_per_layer),
                                        "ExpertRecall@$K$ per target layer for every predictor, mean over "
                                        "workloads.", "Per-layer recall (not in the paper)"),
+    "fig_lookahead": FigureSpec("fig_lookahead", ("realism",), _from_csv("realism", figure_lookahead),
+                                "FATE ExpertRecall@$K$ predicting the experts $d$ MoE layers ahead (the gate of layer "
+                                "$l+d$ on $x^l$), per workload, all tokens.", "Look-ahead (beyond the paper)"),
 }
 
 

@@ -38,6 +38,7 @@ FIGURE_INPUTS: dict[str, tuple[str, ...]] = {
     "fig5_storage": ("runs",),
     "fig6_component": ("runs",),
     "fig_recall_per_layer": ("per_layer",),
+    "fig_lookahead": ("realism",),
 }
 TABLE_NAMES = list(TABLE_INPUTS)
 # The tables with a reproduced-vs-reported companion (<table>_vs_paper.tex); table0_realism is itself a comparison
