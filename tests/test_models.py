@@ -454,3 +454,80 @@ def test_router_param_group_and_per_layer_aux(smoke_cfg: dict[str, Any], tiny_to
     assert float(aux_loss(collapsed, spec, torch.ones(1, 6))) > k * 1.5
     with pytest.raises(Exception, match="router logits of 2 MoE layers"):
         aux_loss(uniform[:1], spec, torch.ones(1, 6))
+
+
+def test_balance_window_counts_loads_over_steps(smoke_cfg: dict[str, Any], tiny_tokenizer: Any) -> None:
+    """Global-batch balancing: one step's loss equals the per-batch loss; over a window, a batch that uses half
+    the experts is not penalised when the window's other batch used the other half."""
+    from specprefetch.models.pretrain import BalanceWindow, aux_loss
+
+    s = build_stand_in(smoke_cfg, "tiny-deepseek-vl2", tiny_tokenizer)
+    spec = discover_routing(s.model)
+    n, k = spec.n_experts, spec.top_k
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(2 * 5, n, generator=gen) for _ in spec.gates]
+    mask = torch.ones(2, 5)
+    mask[1, 3:] = 0
+    assert math.isclose(float(aux_loss(logits, spec, mask, BalanceWindow(8))), float(aux_loss(logits, spec, mask)),
+                        rel_tol=1e-5)
+    half = n // 2
+
+    def skewed(first: int) -> list[torch.Tensor]:
+        lg = torch.zeros(6, n)
+        lg[:, first:first + half] = 5.0
+        return [lg.clone() for _ in spec.gates]
+
+    window = BalanceWindow(2)
+    aux_loss(skewed(0), spec, torch.ones(1, 6), window)
+    windowed = float(aux_loss(skewed(half), spec, torch.ones(1, 6), window))
+    per_batch = float(aux_loss(skewed(half), spec, torch.ones(1, 6)))
+    assert windowed < per_batch - 0.5 * k
+    assert len(window.counts) == 2
+    aux_loss(skewed(0), spec, torch.ones(1, 6), window)
+    assert len(window.counts) == 2  # the oldest batch left the window
+
+
+@pytest.mark.parametrize("name", STANDINS)
+def test_vision_stage_reconstructs_image_tokens(name: str, smoke_cfg: dict[str, Any], tiny_tokenizer_dir: Path,
+                                                tiny_corpus_dir: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage 0 pairs every image token's embedding with its own pixel block, lowers the reconstruction loss, and
+    ``freeze_encoder`` keeps the encoder (not the projector) fixed through the LM stage."""
+    from transformers import AutoTokenizer
+
+    import specprefetch.models.pretrain as pretrain
+    from specprefetch.data.workloads import read_workload
+    from specprefetch.models.loading import encode_sample, load_image
+    from specprefetch.models.pretrain import image_token_embeddings, pixel_targets, vision_encoder_params, vision_stage
+
+    cfg = copy.deepcopy(smoke_cfg)
+    s = build_stand_in(cfg, name, AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    bundle = pretrain._bundle(name, cfg["models"][name], s)
+    samples = read_workload(tiny_corpus_dir)
+    with_image = [x for x in samples if getattr(x, "image", None)][:2]
+    px = pretrain._pixels(bundle, [load_image(x, tiny_corpus_dir) for x in with_image])
+    with torch.no_grad():
+        emb = image_token_embeddings(bundle, px)
+    n_tokens = int(encode_sample(bundle, with_image[0], tiny_corpus_dir).is_image.sum())
+    assert emb.shape[0] == pixel_targets(bundle, px).shape[0] == 2 * n_tokens
+    curve = vision_stage(bundle, samples, tiny_corpus_dir, {"steps": 6, "batch_size": 4, "lr": 5e-3}, 0)
+    assert len(curve) == 6 and curve[-1]["recon_loss"] < curve[0]["recon_loss"]
+
+    after_stage: dict[str, list[torch.Tensor]] = {}
+
+    def recording_stage(b: ModelBundle, *args: Any) -> Any:
+        out = vision_stage(b, *args)
+        after_stage["encoder"] = [p.detach().clone() for p in vision_encoder_params(b)]
+        after_stage["projector"] = [p.detach().clone() for p in pretrain.vision_params(b)]
+        return out
+
+    monkeypatch.setattr(pretrain, "vision_stage", recording_stage)
+    pcfg = cfg["models"][name]["pretrain"]
+    pcfg.update(steps=2, batch_size=4, seq_len=64, lr=5e-3, warmup_steps=1,
+                vision={"steps": 2, "batch_size": 4, "lr": 5e-3, "freeze_encoder": True})
+    log = pretrain.pretrain_stand_in(cfg, name, tiny_corpus_dir, tiny_tokenizer_dir, tmp_path / "m")
+    assert len(log["vision_curve"]) == 2 and log["vision_wall_s"] >= 0
+    trained = load_bundle(cfg, name, tmp_path / "m")
+    assert all(torch.equal(a, b) for a, b in zip(after_stage["encoder"], vision_encoder_params(trained), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(after_stage["projector"], pretrain.vision_params(trained),
+                                                        strict=True))

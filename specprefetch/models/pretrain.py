@@ -93,19 +93,52 @@ def lm_loss(logits: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
                            ignore_index=-100, reduction=reduction)
 
 
-def aux_loss(router_logits: Sequence[Tensor] | None, spec: RoutingSpec, attention_mask: Tensor) -> Tensor:
+class BalanceWindow:
+    """Global-batch load balancing (Qiu et al. 2025, "Demons in the Detail", Qwen3's recipe): the expert load
+    fractions f of the Switch loss N * sum_i f_i P_i are counted over the last ``steps`` batches, not the current
+    one only. f carries no gradient, so N * sum_i f_i^window P_i^batch is exactly the current batch's share of the
+    gradient of a balance loss over the whole window: a batch may route (say) its image tokens to a few experts as
+    long as the window as a whole stays balanced. ``steps`` 1 is the per-batch (micro-batch) loss."""
+
+    def __init__(self, steps: int) -> None:
+        from collections import deque
+
+        self.steps = int(steps)
+        self.counts: Any = deque(maxlen=self.steps)
+
+    def fractions(self, counts: Tensor, rows: Tensor) -> Tensor:
+        """Push this batch's ``[layers, n_experts]`` top-K counts over ``rows`` tokens; the window's fractions."""
+        self.counts.append((counts.detach(), rows.detach()))
+        return torch.stack([c for c, _ in self.counts]).sum(0) / torch.stack([r for _, r in self.counts]).sum()
+
+
+def aux_loss(router_logits: Sequence[Tensor] | None, spec: RoutingSpec, attention_mask: Tensor,
+             window: BalanceWindow | None = None) -> Tensor:
     """Switch-style load balancing, per MoE layer then averaged (transformers' implementation, padding masked).
 
     transformers pools all layers into one balance term, which lets one layer collapse while others
     compensate; balancing each layer is what "no layer collapses" needs. Minimum K (uniform routing).
+    With a ``window`` of more than one step, the load fractions are the window's (see :class:`BalanceWindow`).
     """
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     if not router_logits or len(router_logits) != spec.n_layers:
         raise SpecPrefetchError(f"expected router logits of {spec.n_layers} MoE layers from the forward, got "
                                 f"{0 if not router_logits else len(router_logits)}")
-    per_layer = [load_balancing_loss_func((lg,), spec.n_experts, spec.top_k, attention_mask) for lg in router_logits]
-    return torch.stack(per_layer).mean()
+    if window is None or window.steps <= 1:
+        per_layer = [load_balancing_loss_func((lg,), spec.n_experts, spec.top_k, attention_mask)
+                     for lg in router_logits]
+        return torch.stack(per_layer).mean()
+    mask = attention_mask.reshape(-1).float()
+    probs, counts = [], []
+    for lg in router_logits:
+        p = F.softmax(lg.float(), dim=-1)
+        top = torch.topk(p, spec.top_k, dim=-1).indices
+        counts.append(torch.zeros(spec.n_experts).scatter_add_(0, top.reshape(-1),
+                                                                mask.repeat_interleave(spec.top_k)))
+        probs.append((p * mask.unsqueeze(-1)).sum(0) / mask.sum())
+    f = window.fractions(torch.stack(counts), mask.sum())
+    return (spec.n_experts * (f * torch.stack(probs)).sum(-1)).mean()
 
 
 def unigram_stats(tokenizer: Any, meta: dict[str, Any], train: Sequence[Any], heldout: Sequence[Any],
@@ -183,6 +216,7 @@ def train_steps(bundle: ModelBundle, samples: Sequence[Any], root: Path, pcfg: d
     opt = torch.optim.AdamW(param_groups(model, spec, float(pcfg["lr"]), router_lr_mult), betas=ADAMW_BETAS)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(int(pcfg["warmup_steps"]), steps))
     plan = batch_plan([approx_tokens(s) for s in samples], steps, bs, int(pcfg["seed"]))
+    window = BalanceWindow(int(pcfg.get("balance_window", 1)))
     pad_id = bundle.meta["special_token_ids"]["<|pad|>"]
     curve: list[dict[str, float]] = []
     model.train()
@@ -193,7 +227,7 @@ def train_steps(bundle: ModelBundle, samples: Sequence[Any], root: Path, pcfg: d
         kwargs, masks = collate_encoded(batch, pad_id)
         out = model(**kwargs, output_router_logits=True, use_cache=False)
         lm = lm_loss(out.logits, _target_labels(kwargs, masks))
-        aux = aux_loss(out.router_logits, spec, kwargs["attention_mask"])
+        aux = aux_loss(out.router_logits, spec, kwargs["attention_mask"], window)
         loss = lm + coef * aux
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -211,6 +245,123 @@ def train_steps(bundle: ModelBundle, samples: Sequence[Any], root: Path, pcfg: d
             log.info("%s: step %d/%d lm %.3f aux %.3f lr %.2e", desc, step + 1, steps, lm_v, aux_v, lr)
     model.eval()
     return curve
+
+
+def image_token_embeddings(bundle: ModelBundle, pixel_kwargs: dict[str, Tensor]) -> Tensor:
+    """``[n_tokens, D]``: the language-space image embeddings the LM receives (vision tower + projector/merger),
+    one row per image token, images in order and each image's tokens in row-major order of its 2x2 merge blocks."""
+    model = bundle.model
+    if bundle.arch == "qwen3_vl_moe":
+        out = model.model.get_image_features(pixel_kwargs["pixel_values"], pixel_kwargs["image_grid_thw"])
+        return torch.cat(list(out.pooler_output))
+    feats = model.image_features(pixel_kwargs["pixel_values"])
+    return feats.reshape(-1, feats.shape[-1])
+
+
+def pixel_targets(bundle: ModelBundle, pixel_kwargs: dict[str, Tensor]) -> Tensor:
+    """``[n_tokens, P]``: each image token's pixels (the processor's normalised values of its 2x2 patch block), in
+    :func:`image_token_embeddings`' order. Qwen2-VL's processor already groups a merge block's patches together;
+    DeepSeek-VL2's projector unfolds 2x2 patches of a row-major grid, so the pixels are unfolded the same way."""
+    pv = pixel_kwargs["pixel_values"]
+    merge = int(bundle.meta["image"]["spatial_merge"]) if bundle.arch == "qwen3_vl_moe" else \
+        int(bundle.model.projector.downsample)
+    if bundle.arch == "qwen3_vl_moe":
+        return pv.reshape(pv.shape[0] // (merge * merge), -1).float()
+    block = int(bundle.meta["image"]["patch_size"]) * merge
+    pad_h, pad_w = (-pv.shape[-2]) % block, (-pv.shape[-1]) % block
+    blocks = F.unfold(F.pad(pv.float(), (0, pad_w, 0, pad_h)), kernel_size=block, stride=block)
+    return blocks.transpose(1, 2).reshape(-1, blocks.shape[1])
+
+
+def vision_encoder_params(bundle: ModelBundle) -> list[nn.Parameter]:
+    """The vision encoder proper (patch embedding, position embedding, transformer blocks), without the projector
+    (DeepSeek-VL2) or the patch mergers (Qwen3-VL) that map it into the language model's space."""
+    model = bundle.model
+    if bundle.arch == "qwen3_vl_moe":
+        return [p for n, p in model.model.visual.named_parameters() if not n.startswith(("merger", "deepstack"))]
+    return list(model.vision.parameters())
+
+
+def vision_params(bundle: ModelBundle) -> list[nn.Parameter]:
+    """Vision encoder + projector/mergers: everything between the pixels and the language model's input."""
+    model = bundle.model
+    return list(model.model.visual.parameters()) if bundle.arch == "qwen3_vl_moe" else \
+        [*model.vision.parameters(), *model.projector.parameters()]
+
+
+def vision_stage(bundle: ModelBundle, samples: Sequence[Any], root: Path, vcfg: dict[str, Any],
+                 seed: int) -> list[dict[str, float]]:
+    """Stage 0: train the vision encoder + projector alone to reconstruct every image token's pixels from its
+    language-space embedding (a linear decoder, discarded afterwards), on the corpus images.
+
+    The real models' image tokens come from a *pretrained* encoder (SigLIP; Qwen3-VL's ViT), whose patch
+    embeddings are content-bearing and differ from patch to patch, and their vision-language adaptor is aligned
+    before the language model sees it (DeepSeek-VL2 stage 1, LLaVA stage 1). A tower trained from scratch only by the
+    LM loss gives the tokens of one image nearly one embedding (router-input cosine 0.96-0.98 here), which the
+    routers cannot split and the balance loss then flattens. The reconstruction objective is the scaled-down
+    pretraining: each token must carry its own block's content, in its direction (the decoder reads the
+    RMS-normalised embedding, as the language model's first RMSNorm does)."""
+    from specprefetch.models.loading import load_image
+
+    steps, bs, lr = int(vcfg["steps"]), int(vcfg["batch_size"]), float(vcfg["lr"])
+    images = [s for s in samples if getattr(s, "image", None)]
+    if not images:
+        raise SpecPrefetchError("invalid config key 'models.*.pretrain.vision.steps': the corpus has no images to "
+                                "pretrain the vision tower on (set it to 0)")
+    gen = torch.Generator().manual_seed(seed)
+    params = vision_params(bundle)
+    probe = _pixels(bundle, [load_image(images[0], root)])
+    with torch.no_grad():
+        d = image_token_embeddings(bundle, probe).shape[-1]
+    decoder = nn.Linear(d, pixel_targets(bundle, probe).shape[-1])
+    opt = torch.optim.AdamW([{"params": params, "weight_decay": WEIGHT_DECAY},
+                             {"params": decoder.parameters(), "weight_decay": 0.0}], lr=lr, betas=ADAMW_BETAS)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(max(1, steps // 20), steps))
+    cache: dict[int, Any] = {}
+    curve: list[dict[str, float]] = []
+    bundle.model.train()
+    order: list[int] = []
+    for step in tqdm(range(steps), desc="vision stage", disable=None, unit="step"):
+        idx = []
+        while len(idx) < min(bs, len(images)):
+            if not order:
+                order = torch.randperm(len(images), generator=gen).tolist()
+            idx.append(order.pop())
+        pil = []
+        for i in idx:
+            if i not in cache:
+                cache[i] = load_image(images[i], root)
+            pil.append(cache[i])
+        px = _pixels(bundle, pil)
+        loss = F.mse_loss(decoder(_rms_normed(image_token_embeddings(bundle, px).float())), pixel_targets(bundle, px))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([*params, *decoder.parameters()], CLIP_NORM)
+        opt.step()
+        sched.step()
+        loss_v = float(loss.detach())
+        if not math.isfinite(loss_v):
+            raise SpecPrefetchError(f"vision stage: loss became {loss_v} at step {step}; lower "
+                                    "models.*.pretrain.vision.lr")
+        curve.append({"step": step, "recon_loss": loss_v})
+    bundle.model.eval()
+    log.info("vision stage: %d steps, reconstruction MSE %.3f -> %.3f", steps, curve[0]["recon_loss"],
+             curve[-1]["recon_loss"])
+    return curve
+
+
+def _rms_normed(x: Tensor) -> Tensor:
+    """``x`` scaled to unit RMS per row: the language model reads its input through an RMSNorm, so only the
+    embedding's direction reaches the routers; the content has to be decodable from the direction."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _pixels(bundle: ModelBundle, images: list[Any]) -> dict[str, Tensor]:
+    out = bundle.image_processor(images=images, return_tensors="pt")
+    px = {"pixel_values": out["pixel_values"]}
+    if bundle.arch == "qwen3_vl_moe":
+        px["image_grid_thw"] = out["image_grid_thw"]
+    return px
 
 
 @torch.no_grad()
@@ -316,6 +467,14 @@ def pretrain_stand_in(cfg: dict[str, Any], model_name: str, corpus_dir: str | Pa
              model_name, bundle.arch, n_params / 1e6, len(train), len(heldout), pcfg["steps"],
              pcfg["batch_size"], pcfg["seq_len"])
     t0 = time.perf_counter()
+    vcfg = pcfg.get("vision") or {}
+    vision_curve: list[dict[str, float]] = []
+    if int(vcfg.get("steps", 0)):
+        vision_curve = vision_stage(bundle, train, corpus_dir, vcfg, seed)
+        if vcfg.get("freeze_encoder", False):
+            for p in vision_encoder_params(bundle):
+                p.requires_grad_(False)
+    vision_s = time.perf_counter() - t0
     curve = train_steps(bundle, train, corpus_dir, pcfg, desc=f"pretrain {model_name}")
     train_s = time.perf_counter() - t0
     routing = evaluate_routing(bundle, heldout, corpus_dir, int(pcfg["seq_len"]))
@@ -324,7 +483,8 @@ def pretrain_stand_in(cfg: dict[str, Any], model_name: str, corpus_dir: str | Pa
         "format": LOG_FORMAT, "model": model_name, "arch": bundle.arch, "n_parameters": n_params,
         "n_train_samples": len(train), "n_heldout_samples": len(heldout),
         "heldout_ids": [str(getattr(s, "id", "")) for s in heldout],
-        "train_wall_s": round(train_s, 2), "eval_wall_s": round(time.perf_counter() - t0 - train_s, 2),
+        "train_wall_s": round(train_s, 2), "vision_wall_s": round(vision_s, 2), "vision_curve": vision_curve,
+        "eval_wall_s": round(time.perf_counter() - t0 - train_s, 2),
         "loss_curve": curve, "final_train_lm_loss": curve[-1]["lm_loss"],
         "heldout_lm_loss": routing.pop("heldout_lm_loss"), "unigram": uni, "routing": routing,
         "routing_spec": bundle.routing.describe(),
