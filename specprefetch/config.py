@@ -60,6 +60,10 @@ def device_settings(cfg: dict[str, Any]) -> dict[str, Any]:
             if e not in EXPERIMENTS:
                 raise ConfigError(f"invalid config key 'device.model_experiments.{m}': {e!r} "
                                   f"({', '.join(EXPERIMENTS)})")
+    for st in d["sweep_storages"] or []:
+        if st not in d["storages"] and st != d["reference_storage"]:
+            raise ConfigError(f"invalid config key 'device.sweep_storages': {st!r} is not one of device.storages "
+                              "(a storage is swept at its own profiled budget)")
     for name, v in d["variants"].items():
         if all(v.get(k, d[k]) == d[k] for k in ("emulation", "io_order")):
             raise ConfigError(f"invalid config key 'device.variants.{name}': it measures what the default does "

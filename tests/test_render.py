@@ -813,3 +813,24 @@ def test_diff_tables_names_the_settings_that_differ(rendered: Path, tmp_path: Pa
     assert setup_notes("t", {"m_max": 3, "x": 1}, {"m_max": 3, "x": 2}) == []
     assert setup_notes("t", {"m_max_per_storage": {"a": 1}}, {"m_max_per_storage": {"a": 1, "b": 2}}) == [
         "t: m_max_per_storage differs (b - -> 2): its cells were measured under other settings"]
+
+
+def test_figure4_sets_the_window_rules_budget_against_the_sweep_on_every_storage(cfg: dict) -> None:
+    """device.sweep_storages: the sweep on each storage, and per storage the profiled budget's throughput loss
+    against the sweep's fastest budget (paired per repeat), as a cell with its CI."""
+    from specprefetch.render.figures import figure_budget
+
+    runs = _runs_rows()
+    slow = []
+    for r in range(5):  # slow UFS: the profiled budget (matched, M=8) is 10 % slower than M=4, the sweep's best
+        for m, tps in ((0, 2.2), (2, 2.5), (4, 2.75), (8, 2.5)):
+            slow.append({**runs.iloc[0].to_dict(), "experiment": "sweep", "storage": "slow_ufs",
+                         "policy": "off" if m == 0 else "specprefetch", "m_max": m, "repeat": r,
+                         "tokens_per_s": tps * (1 + 0.01 * r)})
+    runs = pd.concat([runs, pd.DataFrame(slow)], ignore_index=True)
+    cells = figure_budget(runs, cfg).doc.by_id()
+    loss = cells["slow_ufs/rule_loss"]
+    assert loss.value == pytest.approx((2.75 - 2.5) / 2.75 * 100) and loss.keys == {
+        "storage": "slow_ufs", "m_max": 8, "best_m_max": 4}
+    assert cells["nvme_cold/rule_loss"].value == pytest.approx(0.0)  # the fixture's cold sweep peaks at its budget
+    assert cells["peak_m_max"].value == 8  # Figure 4 itself stays on the cold storage

@@ -53,6 +53,21 @@ def test_a_variant_that_measures_the_default_is_one_line() -> None:
         validate_config(cfg)
 
 
+def test_sweep_storages_must_be_benchmarked_storages() -> None:
+    cfg = _cfg()
+    cfg["device"]["sweep_storages"] = ["nvme_cold", "sdcard"]  # sdcard is not among the embedded default's storages
+    with pytest.raises(ConfigError, match=r"device.sweep_storages': 'sdcard' is not one of device.storages"):
+        validate_config(cfg)
+    cfg["device"]["sweep_storages"] = ["nvme_cold", "slow_ufs"]
+    validate_config(cfg)
+    from specprefetch.runtime.measurement.bench import plan_experiments
+
+    plan = plan_experiments(device_settings(cfg), {"nvme_cold": 3, "slow_ufs": 1}, ["sweep"])
+    swept = {(c.storage, c.m_max) for c in plan["sweep"] if c.policy == "specprefetch"}
+    assert {m for st, m in swept if st == "slow_ufs"} == {1, 2, 4, 8, 16}  # sweep_m_max and its own budget
+    assert {m for st, m in swept if st == "nvme_cold"} == {1, 2, 3, 4, 8, 16}
+
+
 def test_variant_runs_are_named_and_checked(tmp_path: Path) -> None:
     assert variant_experiment("storage", "bandwidth") == "storage@bandwidth"
     assert variant_experiment("storage", None) == "storage"

@@ -23,7 +23,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from specprefetch.contracts import split_experiment  # noqa: E402
+from specprefetch.contracts import split_experiment, variant_experiment  # noqa: E402
 from specprefetch.io import atomic_path  # noqa: E402
 from specprefetch.render.cells import Cell, TableDoc  # noqa: E402
 from specprefetch.render.data import (  # noqa: E402
@@ -257,6 +257,33 @@ def _sweep_cells(summ: pd.DataFrame, prefix: str, tag: dict[str, Any]) -> list[C
     return cells
 
 
+def rule_losses(sweep: pd.DataFrame, runs: pd.DataFrame, sel: Any, variant: str | None = None) -> list[Cell]:
+    """Per storage the sweep ran on: how much throughput the window rule's budget loses against the sweep's fastest
+    budget, ``(tps(best) - tps(profiled)) / tps(best)`` in percent per repeat (the sweep's runs of one repeat share a
+    block: paired), as a cell ``<storage>/rule_loss`` with its CI. The profiled budget is the one the storage's
+    other experiments ran SpecPrefetch at (storage, matched, main; a variant's own); a storage without one has no cell.
+    A variant's cells carry its name (key ``variant``, id prefix ``<variant>:``)."""
+    names = [variant_experiment(e, variant) for e in ("storage", "matched", "main")]
+    other = runs[(runs["platform"] == sel.platform) & (runs["model"] == sel.model)
+                 & (runs["source"] == sel.sources[0]) & runs["experiment"].isin(names)
+                 & (runs["policy"] == "specprefetch")]
+    prefix, tag = (f"{variant}:", {"variant": variant}) if variant else ("", {})
+    cells = []
+    for st in [s for s in STORAGE_ORDER if s in set(sweep["storage"])]:
+        profiled = sorted({int(m) for m in other.loc[other["storage"] == st, "m_max"].dropna()})
+        spec = sweep[(sweep["storage"] == st) & (sweep["policy"] == "specprefetch")].dropna(subset=["m_max"])
+        spec = spec.assign(m_max=spec["m_max"].astype(int))
+        if len(profiled) != 1 or profiled[0] not in set(spec["m_max"]):
+            continue
+        tps = spec.pivot_table(index="repeat", columns="m_max", values="tokens_per_s")
+        best = int(tps.mean().idxmax())
+        loss = (tps[best] - tps[profiled[0]]) / tps[best] * 100.0
+        st_loss = repeat_stats(loss, pd.Series(loss.index, index=loss.index))
+        cells.append(_stat_cell(f"{prefix}{st}/rule_loss", "gain", st_loss,
+                                {"storage": st, "m_max": profiled[0], "best_m_max": best, **tag}))
+    return cells
+
+
 def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv") -> FigureResult:
     """Figure 4: throughput and ReadyRecall of SpecPrefetch vs M_max (mean with its 95 % bootstrap CI over
     repeats), OFF as reference (its CI as a band). A variant of ``device.variants`` that measured the sweep too
@@ -302,7 +329,7 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
                 ax1.axhline(vst.mean, color=color("off"), linestyle=":", linewidth=1.0, label=f"OFF, {order}")
                 variant_cells.append(_stat_cell(f"{v}:OFF/throughput", "throughput", vst,
                                                 {"policy": "OFF", "variant": v}))
-            variant_cells += _sweep_cells(vs, f"{v}:", {"variant": v})
+            variant_cells += _sweep_cells(vs, f"{v}:", {"variant": v}) + rule_losses(vrows, runs, sel, v)
         ax1.set_ylabel("Throughput (tok/s)")
         ax1.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3 if not others else 2, frameon=False,
                    columnspacing=1.0, handlelength=1.5)
@@ -320,7 +347,7 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
                          fontsize=6, color="#555555")
         fig.align_ylabels((ax1, ax2))
         fig.tight_layout(h_pad=0.4)
-    cells += _sweep_cells(summ, "", {}) + variant_cells
+    cells += _sweep_cells(summ, "", {}) + variant_cells + rule_losses(rows, runs, sel)
     doc = TableDoc("fig4_budget", "Figure 4: prefetch budget sweep", cfg["profile"], cells,
                    meta={"platform": sel.platform, "model": sel.model, "profiled_m_max": profiled,
                          "storage": sorted(spec["storage"].unique()), "ci": CI_META,

@@ -6,7 +6,8 @@ Experiments (the ``experiment`` column of ``runs.csv``), all on the same prompts
   ``M_max`` on the reference storage (cold NVMe);
 - ``matched`` (Table 5): Naive Prefetch vs SpecPrefetch (and FATE) at the same ``M_max`` on the reference and the
   slow storage;
-- ``sweep`` (Figure 4): SpecPrefetch at every ``device.sweep_m_max`` (and the profiled one) vs OFF, reference storage;
+- ``sweep`` (Figure 4): SpecPrefetch at every ``device.sweep_m_max`` (and the profiled one) vs OFF, on the reference
+  storage, or on each of ``device.sweep_storages``;
 - ``storage`` (Figure 5): OFF vs SpecPrefetch on every storage profile;
 - ``component`` (Figure 6): compute_opt off/on x prefetch off/on, reference storage (page cache evicted);
 - ``budget``: OFF vs SpecPrefetch with the storage's one budget ``M_max`` vs with the per-layer budgets
@@ -130,8 +131,10 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
             pols = ["off", *[p for p in settings["matched_policies"] if p != "off"]]
             out[exp] = [RunConfig(exp, p, st, m_max[st]) for st in dict.fromkeys([ref, slow]) for p in pols]
         elif exp == "sweep":
-            ms = sorted({int(m) for m in settings["sweep_m_max"]} | {m_max[ref]})
-            out[exp] = [RunConfig(exp, "off", ref, 0)] + [RunConfig(exp, "specprefetch", ref, m) for m in ms]
+            out[exp] = []
+            for st in settings.get("sweep_storages") or [ref]:
+                ms = sorted({int(m) for m in settings["sweep_m_max"]} | {m_max[st]})
+                out[exp] += [RunConfig(exp, "off", st, 0)] + [RunConfig(exp, "specprefetch", st, m) for m in ms]
         elif exp == "storage":
             out[exp] = [RunConfig(exp, p, st, m_max[st]) for st in settings["storages"]
                         for p in ("off", "specprefetch")]
