@@ -676,6 +676,15 @@ def test_registries_agree_with_the_rule_targets() -> None:
 
     assert {k: v.inputs + v.optional for k, v in TABLES.items()} == targets.TABLE_INPUTS
     assert {k: v.inputs for k, v in FIGURES.items()} == targets.FIGURE_INPUTS
+    # and the CLI the rules call takes every input a table or figure reads (render.smk passes them as flags)
+    from specprefetch.cli import build_parser
+
+    parser = build_parser()
+    for command, inputs in (("render-tables", targets.TABLE_INPUTS), ("render-figures", targets.FIGURE_INPUTS)):
+        for name, needs in inputs.items():
+            flags = [w for k in needs for w in (f"--{k.replace('_', '-')}", "x.csv")]
+            args = parser.parse_args([command, "--config", "c.yaml", "--out-dir", "o", *flags])
+            assert all(getattr(args, k) is not None for k in needs), (command, name)
     outs = targets.all_outputs({"render": {"out_dir": "x"}}, with_pdf=True)
     assert "x/paper_tables.pdf" in outs and "x/table5_matched_vs_paper.tex" in outs
     assert "x/results/runs.csv" in outs and len(outs) == 12 + 21 + 8 + 2 + len(targets.RESULT_PATHS)

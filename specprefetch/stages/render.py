@@ -159,7 +159,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("render-figures", help="Figures 1(a), 1(b), 4, 5, 6 and per-layer recall (PDF, PNG, JSON)")
     add_config_arg(p)
     p.add_argument("--figure", action="append", choices=FIGURES, help="only this figure (repeatable)")
-    _add_input_flags(p, ("per_layer", "runs", "window", "window_events", "latency"))
+    _add_input_flags(p, ("per_layer", "runs", "window", "window_events", "latency", "realism"))
     p.add_argument("--out-dir", required=True, type=Path, help="writes <figure>.{pdf,png,json} here")
     p.set_defaults(func=_cmd_render_figures)
 
