@@ -716,6 +716,14 @@ def check_window_profile(profile: Mapping[str, Any], where: str, required: Seque
             continue
         if key == "emulation_overshoot_ms":  # measured minus modelled time: either sign
             check_numbers(value, where, key, nan_ok=True)
+        elif key == "transfer_ms" and isinstance(value, dict):
+            for storage, entry in value.items():  # an emulated storage's overshoot over its intended time may be
+                if not isinstance(entry, dict):  # negative (the delay emulation's physical reads vary around their
+                    check_numbers(entry, where, f"{key}.{storage}", lo=0)  # median), every time is >= 0
+                    continue
+                for sub, v in entry.items():
+                    overshoot = sub.startswith("overshoot_")
+                    check_numbers(v, where, f"{key}.{storage}.{sub}", lo=None if overshoot else 0, nan_ok=overshoot)
         else:  # what the simulator reads must be measured (no NaN); a statistic may be NaN when nothing was timed
             check_numbers(value, where, key, lo=0, nan_ok=key not in _WINDOW_SIM_INPUTS,
                           numbers_only=key in _WINDOW_SIM_INPUTS and key != "transfer_ms")

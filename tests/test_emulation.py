@@ -214,3 +214,16 @@ def test_one_loop_makes_the_same_decisions_under_fifo(store: ExpertStore, comput
               "prefetch_used", "prefetch_wasted", "prefetch_cancelled")
     assert [[getattr(e, f) for f in fields] for e in a] == [[getattr(e, f) for f in fields] for e in b]
     assert sum(e.prefetch_used for e in a) > 0
+
+
+def test_a_window_profiles_overshoot_may_be_negative_its_times_not() -> None:
+    """Under the delay emulation a storage's isolated reads vary around its intended time (the physical read's
+    median plus the delay), so its measured overshoot may be negative; a transfer time may not."""
+    from specprefetch.contracts import ContractError, check_window_profile
+
+    entry = {"transfer_ms": 1.1, "model_ms": 1.2, "overshoot_ms_mean": -0.4, "overshoot_ms_p95": 0.2, "n": 64}
+    check_window_profile({"transfer_ms": {"nvme": entry}}, "profile.json")
+    with pytest.raises(ContractError, match=r"transfer_ms.nvme.transfer_ms"):
+        check_window_profile({"transfer_ms": {"nvme": {**entry, "transfer_ms": -1.0}}}, "profile.json")
+    with pytest.raises(ContractError, match=r"transfer_ms.nvme.model_ms"):
+        check_window_profile({"transfer_ms": {"nvme": {**entry, "model_ms": -1.0}}}, "profile.json")

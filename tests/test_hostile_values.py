@@ -81,7 +81,10 @@ def _profile() -> dict[str, Any]:
             "moe_s": [1e-3] * L, "gap_s": [0.0] * L}
     return {"model": MODEL, "n_layers": L, "n_experts": N, "top_k": K, "payload_bytes": 4096, "io_workers": 2,
             "compute": {"loop": dict(part), "opt": dict(part), "pred": dict(part)},
-            "transfer_ms": {"ram": {"transfer_ms": 0.01}},
+            # under the delay emulation a storage's reads vary around the intended time: its overshoot may be < 0
+            "transfer_ms": {"ram": {"transfer_ms": 0.01}, "nvme": {"transfer_ms": 1.1, "model_ms": 1.2,
+                                                                 "overshoot_ms_mean": -0.1, "overshoot_ms_p95": 0.3,
+                                                                 "source": "measured"}},
             "physical_model": {"bandwidth_mbps": 1000.0, "latency_ms": 0.1},
             "emulation_overshoot_ms": {"ufs": {"mean_ms": -0.2, "p95_ms": 0.5, "pct_of_model": float("nan")}},
             "window_ms_median_resident": float("nan"), "m_max_per_storage": {"nvme_cold": 4}}
