@@ -8,6 +8,7 @@ throughput, the runtime counters, the generated tokens and (optionally) the time
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 import itertools
 import logging
@@ -15,7 +16,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,13 +135,20 @@ class Harness:
         """The plain model's greedy ``generate()``: every MoE block computes its experts from the store's records,
         all resident (:class:`~specprefetch.runtime.core.paper_scale.ResidentExperts`), with no runtime: the tokens
         every offloaded run must reproduce."""
-        saved = install_store_experts(self.blocks, self.store, self.device)
-        try:
+        with self._experts_restored():
+            install_store_experts(self.blocks, self.store, self.device)
             n_new = int(max_new_tokens or self.settings["max_new_tokens"])
             return [greedy_generate(self.model, p, n_new, fixed_length=True, tokenizer=self.tokenizer)
                     for p in prompts or self.prompts]
+
+    @contextlib.contextmanager
+    def _experts_restored(self) -> Iterator[None]:
+        """Whatever experts modules the block swaps in, the blocks get their current ones back on exit."""
+        current = [b.block.experts for b in self.blocks]
+        try:
+            yield
         finally:
-            for b, mod in zip(self.blocks, saved):
+            for b, mod in zip(self.blocks, current, strict=True):
                 b.block.experts = mod
 
     def trained_reference(self) -> list[tuple[list[int], list[torch.Tensor]]] | None:
@@ -153,10 +161,9 @@ class Harness:
             return None
         from specprefetch.models.capture import RouterCapture
 
-        current = [b.block.experts for b in self.blocks]
-        for b, mod in zip(self.blocks, self.originals, strict=True):
-            b.block.experts = mod
-        try:
+        with self._experts_restored():
+            for b, mod in zip(self.blocks, self.originals, strict=True):
+                b.block.experts = mod
             out = []
             for p in self.prompts:
                 with RouterCapture(self.model, self.spec) as cap:
@@ -164,9 +171,6 @@ class Harness:
                                         tokenizer=self.tokenizer)
                 out.append((g.new_ids, [t.cpu() for t in cap.executed_topk()]))
             return out
-        finally:
-            for b, mod in zip(self.blocks, current, strict=True):
-                b.block.experts = mod
 
     def close(self) -> None:
         for r in self._readers.values():
