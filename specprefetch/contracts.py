@@ -317,6 +317,18 @@ CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
         Column("emulation", allowed=("none", "delay", "bandwidth")),
         Column("delay_ms", "float", lo=0.0),
     ),
+    # results/device/budget_curve.csv (runtime.simulation.budget_model): the simulator's curves from the window
+    # profile alone -- per storage its W/t and per budget its throughput; OFF and SpecPrefetch along a W/t grid
+    "budget_curve": (
+        Column("platform"), Column("model"), Column("emulation", allowed=("delay", "bandwidth")),
+        Column("io_order", allowed=("demand_first", "fifo")),
+        Column("curve", allowed=("storage", "budget", "w_over_t")), Column("storage", nullable=True),
+        Column("rule", allowed=("window", "simulated"), nullable=True),
+        Column("w_over_t", "float", lo=0.0, lo_open=True), Column("transfer_ms", "float", lo=0.0, lo_open=True),
+        Column("m_max", "int", lo=1), Column("off_tokens_per_s", "float", lo=0.0, lo_open=True),
+        Column("tokens_per_s", "float", lo=0.0, lo_open=True), Column("gain_pct", "float"),
+        Column("m_max_window", "int", lo=1), Column("m_max_simulated", "int", lo=1),
+    ),
     "window_events": (
         Column("platform"), Column("model"), Column("layer", "int", lo=0), Column("M", "int", lo=1),
         Column("demand_ms", "float", lo=0.0), Column("window_ms", "float", lo=0.0),
@@ -342,6 +354,7 @@ RECALL_COLUMNS = [c.name for c in CSV_CONTRACTS["recall"]]
 PER_LAYER_COLUMNS = [c.name for c in CSV_CONTRACTS["per_layer"]]
 PARAM_COLUMNS = [c.name for c in CSV_CONTRACTS["params"]]
 REALISM_COLUMNS = [c.name for c in CSV_CONTRACTS["realism"]]
+BUDGET_CURVE_COLUMNS = [c.name for c in CSV_CONTRACTS["budget_curve"]]
 RUN_COLUMNS = [
     "platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat", "tokens_per_s",
     "ready_recall", "n_tokens", "hits", "misses", "prefetched", "wasted", "stall_ms", "source",
@@ -371,14 +384,14 @@ def _coerce(df: pd.DataFrame, col: Column, path: Path) -> pd.Series:
         i = int(np.flatnonzero(missing.to_numpy())[0])
         raise _bad(path, col.name, i, "", "is empty (the column must be filled on every line)")
     if col.kind == "str":
-        out = raw.astype(str).str.strip()
+        out = raw.astype(str).str.strip().where(~missing, "")  # an empty cell of a nullable column: ""
         if col.allowed is not None:
-            bad = ~out.isin(col.allowed)
+            bad = ~out.isin(col.allowed) & ~missing
             if bad.any():
                 i = int(np.flatnonzero(bad.to_numpy())[0])
                 raise _bad(path, col.name, i, out.iloc[i], f"is not one of {', '.join(col.allowed)}")
         if col.pattern is not None:
-            bad = ~out.str.fullmatch(col.pattern)
+            bad = ~out.str.fullmatch(col.pattern) & ~missing
             if bad.any():
                 i = int(np.flatnonzero(bad.to_numpy())[0])
                 raise _bad(path, col.name, i, out.iloc[i], f"does not match {col.pattern}")

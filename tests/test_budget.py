@@ -21,6 +21,7 @@ from specprefetch.runtime.core.budget import (
     layer_budget,
     layer_budgets,
     read_window_profile,
+    rule_budgets,
     run_budget,
     storage_budgets,
     window_budgets,
@@ -62,7 +63,7 @@ def test_per_storage_budgets() -> None:
     assert storage_budgets(_settings(), _profile(), ["ufs"]) == {"ufs": 3}
     with pytest.raises(BudgetError, match=r"device.m_max is auto: .*give --window"):
         storage_budgets(_settings(), None, need="--window")
-    with pytest.raises(BudgetError, match=r"^window profile has no M_max for storage slow_ufs, ufs: rerun profile-w"):
+    with pytest.raises(BudgetError, match=r"^window profile has no window-rule M_max for storage slow_ufs, ufs: rerun"):
         storage_budgets(_settings(), _profile(m_max_per_storage={"nvme_cold": 4, "nvme": 7}))
 
 
@@ -195,3 +196,58 @@ def test_profiles_keep_the_papers_phone_budget() -> None:
     assert section_defaults("device")["simulator"]["m_max"] == "auto"
     for name in ("config", "paper", "smoke"):
         assert device_settings(load_config(REPO_ROOT / "config" / f"{name}.yaml"))["simulator"]["m_max"] == 8
+
+
+SIMULATED = {"nvme_cold": 5, "slow_ufs": 5, "nvme": 4, "ufs": 6}
+
+
+def test_simulated_rule_budgets() -> None:
+    """device.budget_rule simulated reads the profile's simulated budgets (no per-layer budgets: the simulated rule
+    has one budget per storage); the window rule stays the default; the sweep measures every rule's budget; an
+    unknown rule or a profile without simulated budgets is one line."""
+    prof = _profile(m_max_simulated_per_storage=SIMULATED)
+    sim = _settings(budget_rule="simulated")
+    assert storage_budgets(sim, prof) == SIMULATED
+    assert storage_budgets(_settings(), prof) == {"nvme_cold": 4, "slow_ufs": 1, "nvme": 7, "ufs": 3}
+    assert layer_budgets(sim, prof, SIMULATED) == {}
+    assert rule_budgets(_settings(), prof) == {"nvme_cold": {4, 5}, "slow_ufs": {1, 5}, "nvme": {7, 4}, "ufs": {3, 6}}
+    assert rule_budgets(_settings(), _profile()) == {"nvme_cold": {4}, "slow_ufs": {1}, "nvme": {7}, "ufs": {3}}
+    assert rule_budgets(_settings(5), prof) == {} and rule_budgets(_settings(), None) == {}
+    with pytest.raises(BudgetError, match=r"no simulated-rule M_max for storage nvme_cold, slow_ufs, nvme, ufs"):
+        storage_budgets(sim, _profile())
+    with pytest.raises(BudgetError, match=r"'device.budget_rule': 'oracle'"):
+        storage_budgets({**_settings(), "budget_rule": "oracle"}, prof)  # past the schema (a hand-made dict)
+
+
+def test_sweep_measures_every_rules_budget() -> None:
+    """The sweep's budgets: device.sweep_m_max, the storage's budget and every rule's (so Figure 4 can judge the
+    window rule and the simulated rule against the measured optimum)."""
+    from specprefetch.runtime.measurement.bench import plan_experiments
+
+    s = _settings(sweep_m_max=[1, 2, 4, 8], sweep_storages=["nvme_cold", "ufs"])
+    plan = plan_experiments(s, {"nvme_cold": 2, "ufs": 3}, ["sweep"], None, {"nvme_cold": {2, 5}, "ufs": {3, 6}})
+    got = {(c.storage, c.m_max) for c in plan["sweep"] if c.policy == "specprefetch"}
+    assert got == {("nvme_cold", m) for m in (1, 2, 4, 5, 8)} | {("ufs", m) for m in (1, 2, 3, 4, 6, 8)}
+
+
+def test_simulated_rule_takes_the_fastest_budget() -> None:
+    from specprefetch.runtime.simulation.budget_model import fastest
+
+    assert fastest({1: 5.0, 2: 7.0, 3: 7.0, 4: 6.0}) == 2  # a tie: the smaller budget
+    assert fastest({1: float("nan"), 2: 1.0}) == 2
+    with pytest.raises(ValueError, match="no budget"):
+        fastest({1: float("nan")})
+
+
+@pytest.mark.parametrize("emulation", ["delay", "bandwidth"])
+def test_shaped_device_takes_the_asked_load_time(emulation: str) -> None:
+    """The W/t axis's devices: the physical disk's shape, an isolated load of ``transfer_ms``; under the delay
+    emulation a slower device is the disk plus a delay (its bandwidth kept), a faster one the disk scaled."""
+    from specprefetch.runtime.simulation.budget_model import shaped_device
+
+    prof = {"physical_model": {"bandwidth_mbps": 2000.0, "latency_ms": 0.5}, "payload_bytes": 2_000_000}
+    base = 0.5 + 1.0  # latency + 2 MB at 2000 MB/s
+    for t in (0.3, base, 4.0, 20.0):
+        dev = shaped_device(prof, emulation, t, demand_first=True)
+        assert dev.transfer_s() * 1e3 == pytest.approx(t) and dev.modelled and dev.demand_first
+        assert (dev.bandwidth_mbps == 2000.0) == (emulation == "delay" and t >= base or t == base)

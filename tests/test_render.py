@@ -675,7 +675,7 @@ def test_registries_agree_with_the_rule_targets() -> None:
     from specprefetch.render.tables import TABLES
 
     assert {k: v.inputs + v.optional for k, v in TABLES.items()} == targets.TABLE_INPUTS
-    assert {k: v.inputs for k, v in FIGURES.items()} == targets.FIGURE_INPUTS
+    assert {k: v.inputs + v.optional for k, v in FIGURES.items()} == targets.FIGURE_INPUTS
     # and the CLI the rules call takes every input a table or figure reads (render.smk passes them as flags)
     from specprefetch.cli import build_parser
 
@@ -843,3 +843,54 @@ def test_figure4_sets_the_window_rules_budget_against_the_sweep_on_every_storage
         "storage": "slow_ufs", "m_max": 8, "best_m_max": 4}
     assert cells["nvme_cold/rule_loss"].value == pytest.approx(0.0)  # the fixture's cold sweep peaks at its budget
     assert cells["peak_m_max"].value == 8  # Figure 4 itself stays on the cold storage
+
+
+def _curve_rows(runs: pd.DataFrame) -> pd.DataFrame:
+    """A budget_curve.csv for the fixture: per storage its W/t and the simulated throughput per budget (peaking at
+    4), and the W/t axis under each rule, for the default's emulation and I/O order and the variants'."""
+    rows = []
+    for emulation, io_order in (("delay", "demand_first"), ("bandwidth", "demand_first"), ("delay", "fifo")):
+        head = {"platform": "cpu-local", "model": "tiny-deepseek-vl2", "emulation": emulation, "io_order": io_order}
+        for st, x in (("nvme", 4.0), ("nvme_cold", 2.6), ("ufs", 3.2), ("slow_ufs", 2.0), ("sdcard", 0.6)):
+            sim = {m: 3.0 * (1.4 - 0.005 * (m - 4) ** 2) for m in range(1, 17)}
+            common = {**head, "storage": st, "w_over_t": x, "transfer_ms": 4.8 / x, "off_tokens_per_s": 3.0,
+                      "m_max_window": max(1, int(x)), "m_max_simulated": 4}
+            rows.append({**common, "curve": "storage", "rule": "", "m_max": 4, "tokens_per_s": sim[4],
+                         "gain_pct": (sim[4] / 3.0 - 1) * 100})
+            rows += [{**common, "curve": "budget", "rule": "", "m_max": m, "tokens_per_s": v,
+                      "gain_pct": (v / 3.0 - 1) * 100} for m, v in sim.items()]
+        for x in (0.5, 1.0, 2.0, 4.0, 8.0):
+            for rule, gain in (("window", 20.0 - x), ("simulated", 60.0 / x)):
+                rows.append({**head, "curve": "w_over_t", "storage": "", "rule": rule, "w_over_t": x,
+                             "transfer_ms": 4.8 / x, "m_max": 4, "off_tokens_per_s": 3.0,
+                             "tokens_per_s": 3.0 * (1 + gain / 100), "gain_pct": gain, "m_max_window": max(1, int(x)),
+                             "m_max_simulated": 4})
+    return pd.DataFrame(rows)
+
+
+def test_figures_4_and_5_draw_the_simulators_curves(cfg: dict, tmp_path: Path) -> None:
+    """With budget_curve.csv: Figure 4 marks the simulated rule's budget and judges it against the sweep's fastest
+    (``sim_rule_loss``, only where the sweep measured it), Figure 5 draws every panel's gains against W/t with the
+    simulator's two curves; the figures render without it too (an older archive)."""
+    from specprefetch.contracts import BUDGET_CURVE_COLUMNS
+    from specprefetch.render.figures import figure_budget, figure_storage, read_curve
+
+    runs = _runs_rows()
+    path = tmp_path / "budget_curve.csv"
+    _curve_rows(runs)[BUDGET_CURVE_COLUMNS].to_csv(path, index=False)
+    curve = read_curve(path)
+    fig4 = figure_budget(runs, cfg, "runs.csv", curve).doc
+    cells = fig4.by_id()
+    assert fig4.meta["simulated_m_max"] == 4 and fig4.meta["simulated_m_max_per_storage"]["slow_ufs"] == 4
+    loss = cells["nvme_cold/sim_rule_loss"]  # the fixture's sweep peaks at 8: M=4 loses (4.15 - 3.96) / 4.15
+    assert loss.keys == {"storage": "nvme_cold", "m_max": 4, "best_m_max": 8}
+    assert loss.value == pytest.approx((4.15 - 3.96) / 4.15 * 100, abs=2.0)
+    assert cells["fifo:nvme_cold/sim_rule_loss"].keys["variant"] == "fifo"
+    fig5 = figure_storage(runs, cfg, "runs.csv", curve).doc
+    wt = fig5.meta["w_over_t"]
+    assert set(wt) == {"", "bandwidth"} and wt[""]["storages"]["slow_ufs"] == 2.0
+    assert set(wt[""]["simulated"]) == {"window", "simulated"} and len(wt[""]["simulated"]["window"]) == 5
+    plain4, plain5 = figure_budget(runs, cfg).doc, figure_storage(runs, cfg).doc
+    assert "simulated_m_max" not in plain4.meta and "w_over_t" not in plain5.meta
+    assert not any(c.id.endswith("sim_rule_loss") for c in plain4.cells)
+    assert read_curve(tmp_path / "absent.csv") is None

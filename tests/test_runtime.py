@@ -504,8 +504,11 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     adapter = random_adapter(spec)
     providers["specprefetch"] = lambda: PredictorPriority(adapter)
     h = Harness(model, spec, store, s, prompts, providers)
+    from specprefetch.runtime.simulation.budget_model import budget_curves
+
     try:
-        prof = profile_window(h, "tiny", "test-cpu", tmp_path / "window")
+        prof = profile_window(h, "tiny", "test-cpu", tmp_path / "window",
+                              budget_model=lambda p, r: budget_curves(p, r, s))
         assert 1 <= prof["m_max"] <= spec.n_experts and prof["window_ms_mean"] > 0
         fl = prof["disk_fluctuation"]  # the cold disk's batch medians, in ms, and their spread
         assert len(fl["batch_median_ms"]) == fl["batches"] and fl["min_ms"] <= fl["max_ms"] <= fl["read_max_ms"]
@@ -528,6 +531,18 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         w_over_t = prof["window_ms_median"] / prof["transfer_ms_used"][r["storage"]]
         assert r["w_over_t"] == pytest.approx(w_over_t, rel=1e-4)  # host.csv keeps 6 significant digits
         assert (r["emulation"] != "none") == (r["storage"] in EMULATED) and r["compute_ms"] > 0
+    # the simulated rule: a budget per storage from the sweep's range, and the simulator's curves (contract-checked)
+    curve = check_csv(tmp_path / "window" / "budget_curve.csv", "budget_curve")
+    sim = prof["m_max_simulated_per_storage"]
+    assert set(sim) == set(prof["m_max_per_storage"]) and all(1 <= m <= max(s["sweep_m_max"]) for m in sim.values())
+    budget = curve[curve["curve"] == "budget"]
+    for st, m in sim.items():
+        mine = budget[budget["storage"] == st]
+        assert sorted(mine["m_max"]) == list(range(1, max(s["sweep_m_max"]) + 1))
+        assert mine.loc[mine["tokens_per_s"].idxmax(), "m_max"] == m  # the fastest (the smaller on a tie)
+    wt = curve[curve["curve"] == "w_over_t"]
+    assert set(wt["rule"]) == {"window", "simulated"} and wt["w_over_t"].nunique() == 9
+    assert (curve["emulation"] == s["emulation"]).all() and (curve["io_order"] == s["io_order"]).all()
     with open(tmp_path / "window" / "latency.csv") as f:
         lat = list(csv.DictReader(f))
     assert {r["mode"] for r in lat} == {"resident", "on_demand"}

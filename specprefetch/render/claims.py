@@ -97,6 +97,7 @@ class Claim:
     reason: str = ""
     device: bool = False
     doc: str = ""
+    extension: bool = False  # beyond the paper: no paper side, kept apart from the paper's claims
 
     def __post_init__(self) -> None:
         self.verdict_reproduced = Verdict.of(self.verdict_reproduced)
@@ -120,7 +121,7 @@ class Claim:
         return {"id": self.id, "source": self.source, "statement": self.statement, "reproduced": self.reproduced,
                 "paper": self.paper, "holds_reproduced": self.holds_reproduced, "holds_paper": self.holds_paper,
                 "verdict_reproduced": self.verdict_reproduced.value, "verdict_paper": self.verdict_paper.value,
-                "reason": self.reason, "device": self.device, "agrees": self.agrees}
+                "reason": self.reason, "device": self.device, "agrees": self.agrees, "extension": self.extension}
 
 
 Outcome = bool | Verdict | None
@@ -296,6 +297,7 @@ class ClaimSpec:
     optional: bool
     ops: dict[str, Any]
     paper: dict[str, Any] | None = None
+    extension: bool = False
     is_table: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -375,7 +377,10 @@ def _spec(entry: Mapping[str, Any], sources: Mapping[str, str], where: str) -> C
     is_table = source in TABLE_NAMES
     if entry["kind"] in ("count", "gain", "param_ratio") and not is_table:
         raise ClaimsError(f"{who}: key 'kind': {entry['kind']!r} reads a recall or parameter table, not {source}")
-    if is_table == ("paper" in entry):
+    extension = bool(entry.get("extension", False))
+    if extension and "paper" in entry:
+        raise ClaimsError(f"{who}: key 'paper': an extension claim (beyond the paper) has no paper side; drop 'paper'")
+    if not extension and is_table == ("paper" in entry):
         raise ClaimsError(f"{who}: key 'paper': " + ("a table claim is evaluated on the paper's own table; drop "
                                                      "'paper'" if is_table else
                                                      "missing (a figure claim quotes the paper's numbers)"))
@@ -383,7 +388,7 @@ def _spec(entry: Mapping[str, Any], sources: Mapping[str, str], where: str) -> C
         raise ClaimsError(f"{who}: key 'paper.holds': 'equal' compares exactly two in_text numbers")
     ops: dict[str, Any] = {}
     for k, v in entry.items():
-        if k in ("id", "source", "statement", "kind", "device", "optional", "paper"):
+        if k in ("id", "source", "statement", "kind", "device", "optional", "paper", "extension"):
             continue
         if k in _SELECTOR_OPS:
             v = _selector(v, who, k)
@@ -397,7 +402,8 @@ def _spec(entry: Mapping[str, Any], sources: Mapping[str, str], where: str) -> C
             v = Stated(v.get("hits"), v["of"])
         ops[k] = v
     return ClaimSpec(entry["id"], source, sources[source], entry["statement"], entry["kind"],
-                     bool(entry.get("device", False)), bool(entry.get("optional", False)), ops, entry.get("paper"))
+                     bool(entry.get("device", False)), bool(entry.get("optional", False)), ops, entry.get("paper"),
+                     extension)
 
 
 def parse_claims(raw: Any, where: str = "claims.yaml") -> list[ClaimSpec]:
@@ -656,16 +662,30 @@ def _sign(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
 
 
 def _within(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
-    """'|value| ≤ tolerance' of one cell: by its CI (``decide_within``), else by the value."""
-    c = None if doc is None else _select_one(doc, spec.ops["cell"], spec, "cell")
-    if c is None or c.value is None:
-        return Evaluation("not rendered" if doc is None else "no value", None)
+    """'|value| ≤ tolerance' of one cell (``cell``), or of every selected cell (``select``, e.g. one per storage,
+    each shown with ``item``'s keys): by each CI (``decide_within``), else by the value; several cells hold only
+    when all do (``combine``)."""
+    if doc is None:
+        return Evaluation("not rendered", None)
+    if "cell" in spec.ops:
+        c = _select_one(doc, spec.ops["cell"], spec, "cell")
+        cells = [] if c is None or c.value is None else [c]
+    else:
+        cells = [c for c in doc.cells if spec.ops["select"].matches(c) and c.value is not None]
+    if not cells:
+        return Evaluation("no value", None)
     tol = float(spec.ops["tolerance"])
-    ci = cell_ci(c)
-    if ci is None:
-        return Evaluation(f"{c.value:+.2f}%", abs(c.value) <= tol)
-    v, why = decide_within(ci, tol)
-    return Evaluation(fmt_ci(ci, 2, "%"), v, why)
+    texts, verdicts = [], []
+    for c in cells:
+        ci = cell_ci(c)
+        if ci is None:
+            text, verdict = f"{c.value:+.2f}%", (Verdict.of(abs(c.value) <= tol), "")
+        else:
+            text, verdict = fmt_ci(ci, 2, "%"), decide_within(ci, tol)
+        texts.append(f"{_item(spec.ops['item'], c, spec)} {text}" if "item" in spec.ops else text)
+        verdicts.append(verdict)
+    v, why = combine(verdicts)
+    return Evaluation("; ".join(texts), v, why)
 
 
 def _greater(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
@@ -841,9 +861,9 @@ def evaluate_claim(spec: ClaimSpec, doc: TableDoc | None, rep: Reported) -> Clai
         paper_text, paper_outcome = q.text, q.outcome
     else:
         r = KINDS[spec.kind](spec, doc)
-        paper_text, paper_outcome = _paper_side(spec, rep)
+        paper_text, paper_outcome = ("– (beyond the paper)", None) if spec.extension else _paper_side(spec, rep)
     return Claim(spec.id, spec.label, statement, r.text, paper_text, Verdict.of(r.outcome), Verdict.of(paper_outcome),
-                 r.reason, spec.device, spec.source)
+                 r.reason, spec.device, spec.source, spec.extension)
 
 
 def evaluate_claims(docs: Mapping[str, TableDoc], figs: Mapping[str, TableDoc], rep: Reported,

@@ -148,8 +148,10 @@ def _reproduced_text(c: Claim) -> str:
     return c.reproduced
 
 
-def claim_counts(claims: Sequence[Claim]) -> dict[str, int]:
-    """How many claims hold, fail and are unresolved on the reproduced side, of the checkable ones (n/a left out)."""
+def claim_counts(claims: Sequence[Claim], extension: bool = False) -> dict[str, int]:
+    """How many of the paper's claims (``extension``: of the claims beyond the paper) hold, fail and are unresolved
+    on the reproduced side, of the checkable ones (n/a left out)."""
+    claims = [c for c in claims if c.extension == extension]
     out = {v.value: sum(c.verdict_reproduced is v for c in claims) for v in Verdict}
     out["checkable"] = len(claims) - out[Verdict.NA.value]
     return out
@@ -158,7 +160,7 @@ def claim_counts(claims: Sequence[Claim]) -> dict[str, int]:
 def claims_summary(claims: Sequence[Claim]) -> str:
     """ "X hold, Y fail, Z unresolved of N" (reproduced, N the checkable claims), and how many agree with the paper."""
     n = claim_counts(claims)
-    agree = [c.agrees for c in claims if c.agrees is not None]
+    agree = [c.agrees for c in claims if c.agrees is not None and not c.extension]
     return (f"{n['holds']} hold, {n['fails']} fail, {n['unresolved']} unresolved of {n['checkable']} checkable claims "
             f"of the paper ({n['n/a']} informational or not evaluable); {sum(agree)} of {len(agree)} decided on "
             f"both sides hold the same way here. Device claims are decided by the {_PCT} CI of the measurements "
@@ -194,6 +196,11 @@ def _md_escape(s: str) -> str:
     return s.replace("|", "\\|")
 
 
+def _reproduced_md(c: Claim) -> str:
+    why = f": {c.reason}" if c.verdict_reproduced is Verdict.UNRESOLVED and c.reason else ""
+    return f"{_md_escape(c.reproduced)} ({_holds(c.verdict_reproduced)}{_md_escape(why)})"
+
+
 def comparison_markdown(cfg: Mapping[str, Any], per_table: Mapping[str, list[SideBySide]],
                         titles: Mapping[str, str], claims: Sequence[Claim]) -> str:
     lines = ["# Reproduced vs reported", "", profile_sentence(cfg), ""]
@@ -203,12 +210,20 @@ def comparison_markdown(cfg: Mapping[str, Any], per_table: Mapping[str, list[Sid
                   "errors; the claims (directions) are the comparison that carries over.", ""]
     lines += ["## Claims", "", "| Source | Claim | Reproduced | Paper | Same? |", "|---|---|---|---|---|"]
     for c in claims:
-        why = f": {c.reason}" if c.verdict_reproduced is Verdict.UNRESOLVED and c.reason else ""
-        lines.append(f"| {c.source} | {_md_escape(c.statement)} | {_md_escape(c.reproduced)} "
-                     f"({_holds(c.verdict_reproduced)}{_md_escape(why)}) | {_md_escape(c.paper)} "
-                     f"({_holds(c.verdict_paper)}) | {_same_mark(c, False)} |")
+        if not c.extension:
+            lines.append(f"| {c.source} | {_md_escape(c.statement)} | {_reproduced_md(c)} | {_md_escape(c.paper)} "
+                         f"({_holds(c.verdict_paper)}) | {_same_mark(c, False)} |")
     lines += ["", f"Reproduced device values: mean [{_PCT} CI, paired bootstrap over repeats]; the paper's: "
               "mean ± std."]
+    extensions = [c for c in claims if c.extension]
+    if extensions:
+        n = claim_counts(claims, extension=True)
+        lines += ["", "## Beyond the paper", "",
+                  f"Claims the paper does not make, about this pipeline's extensions (e.g. the simulated budget rule), "
+                  f"decided the same way: {n['holds']} hold, {n['fails']} fail, {n['unresolved']} unresolved of "
+                  f"{n['checkable']}. They are not in the counts above.", "",
+                  "| Source | Claim | Reproduced |", "|---|---|---|"]
+        lines += [f"| {c.source} | {_md_escape(c.statement)} | {_reproduced_md(c)} |" for c in extensions]
     for name, blocks in per_table.items():
         ratio = LAYOUTS[name].ratio
         lines += ["", f"## {titles[name]}", ""]
@@ -248,7 +263,7 @@ def compare_with_paper(cfg: Mapping[str, Any], table_jsons: Sequence[Path | str]
         titles[name] = docs[name].title
         tex = vs_paper_tex(name, blocks, [c for c in claims if c.doc == name], cfg, docs[name].title, templates)
         write_text_atomic(out_dir / f"{name}_vs_paper.tex", tex)
-    fig_claims = [c for c in claims if c.doc not in TABLES]
+    fig_claims = [c for c in claims if c.doc not in TABLES and not c.extension]
     write_text_atomic(out_dir / "figures_vs_paper.tex", render_template("claims.tex.j2", {
         "caption": "Claims about the paper's figures: reproduced vs reported. " + latex_escape(profile_sentence(cfg)),
         "label": "tab:figures-vs-paper",
@@ -258,6 +273,7 @@ def compare_with_paper(cfg: Mapping[str, Any], table_jsons: Sequence[Path | str]
     md = comparison_markdown(cfg, per_table, titles, claims)
     write_text_atomic(Path(markdown) if markdown else out_dir / "comparison.md", md)
     write_json_atomic(out_dir / "comparison.json", {"profile": cfg["profile"], "summary": claim_counts(claims),
+                                                    "extensions": claim_counts(claims, extension=True),
                                                     "claims": [c.to_json() for c in claims]})
     log.info("compared with the paper: %s", claims_summary(claims).split(";")[0])
     return claims

@@ -257,12 +257,15 @@ def _sweep_cells(summ: pd.DataFrame, prefix: str, tag: dict[str, Any]) -> list[C
     return cells
 
 
-def rule_losses(sweep: pd.DataFrame, runs: pd.DataFrame, sel: Any, variant: str | None = None) -> list[Cell]:
-    """Per storage the sweep ran on: how much throughput the window rule's budget loses against the sweep's fastest
-    budget, ``(tps(best) - tps(profiled)) / tps(best)`` in percent per repeat (the sweep's runs of one repeat share a
-    block: paired), as a cell ``<storage>/rule_loss`` with its CI. The profiled budget is the one the storage's
-    other experiments ran SpecPrefetch at (storage, matched, main; a variant's own); a storage without one has no cell.
-    A variant's cells carry its name (key ``variant``, id prefix ``<variant>:``)."""
+def rule_losses(sweep: pd.DataFrame, runs: pd.DataFrame, sel: Any, variant: str | None = None,
+                simulated: Mapping[str, int] | None = None) -> list[Cell]:
+    """Per storage the sweep ran on: how much throughput a budget rule's budget loses against the sweep's fastest
+    budget, ``(tps(best) - tps(rule)) / tps(best)`` in percent per repeat (the sweep's runs of one repeat share a
+    block: paired), as a cell with its CI: ``<storage>/rule_loss`` for the budget the storage's other experiments ran
+    SpecPrefetch at (storage, matched, main; a variant's own: the configured rule's, by default the paper's window
+    rule), ``<storage>/sim_rule_loss`` for the simulated rule's (``simulated``: storage -> budget, from
+    budget_curve.csv). A storage without the budget, or whose sweep did not measure it, has no cell. A variant's
+    cells carry its name (key ``variant``, id prefix ``<variant>:``)."""
     names = [variant_experiment(e, variant) for e in ("storage", "matched", "main")]
     other = runs[(runs["platform"] == sel.platform) & (runs["model"] == sel.model)
                  & (runs["source"] == sel.sources[0]) & runs["experiment"].isin(names)
@@ -273,24 +276,60 @@ def rule_losses(sweep: pd.DataFrame, runs: pd.DataFrame, sel: Any, variant: str 
         profiled = sorted({int(m) for m in other.loc[other["storage"] == st, "m_max"].dropna()})
         spec = sweep[(sweep["storage"] == st) & (sweep["policy"] == "specprefetch")].dropna(subset=["m_max"])
         spec = spec.assign(m_max=spec["m_max"].astype(int))
-        if len(profiled) != 1 or profiled[0] not in set(spec["m_max"]):
-            continue
         tps = spec.pivot_table(index="repeat", columns="m_max", values="tokens_per_s")
+        if tps.empty:
+            continue
         best = int(tps.mean().idxmax())
-        loss = (tps[best] - tps[profiled[0]]) / tps[best] * 100.0
-        st_loss = repeat_stats(loss, pd.Series(loss.index, index=loss.index))
-        cells.append(_stat_cell(f"{prefix}{st}/rule_loss", "gain", st_loss,
-                                {"storage": st, "m_max": profiled[0], "best_m_max": best, **tag}))
+        rules = [("rule_loss", profiled[0] if len(profiled) == 1 else None),
+                 ("sim_rule_loss", (simulated or {}).get(st))]
+        for name, m in rules:
+            if m is None or m not in tps.columns:
+                continue
+            loss = (tps[best] - tps[m]) / tps[best] * 100.0
+            st_loss = repeat_stats(loss, pd.Series(loss.index, index=loss.index))
+            cells.append(_stat_cell(f"{prefix}{st}/{name}", "gain", st_loss,
+                                    {"storage": st, "m_max": int(m), "best_m_max": best, **tag}))
     return cells
 
 
-def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv") -> FigureResult:
+def read_curve(path: Path | None) -> pd.DataFrame | None:
+    """budget_curve.csv (the simulator's curves from the window profile) when given and present, else None (an
+    archive from before it existed: the figures then draw the measurements alone)."""
+    if path is None or not Path(path).is_file():
+        if path is not None:
+            log.warning("%s: no budget_curve.csv, the figures draw no simulator curve", path)
+        return None
+    return read_result_csv(path, "budget_curve")
+
+
+def curve_rows(curve: pd.DataFrame | None, sel: Any, rows: pd.DataFrame, kind: str) -> pd.DataFrame:
+    """The curve rows of one kind for the selected platform and model, measured under the emulation and I/O order
+    ``rows`` (runs of one benchmark) were (empty without a curve)."""
+    if curve is None:
+        return pd.DataFrame(columns=["storage", "m_max", "tokens_per_s", "off_tokens_per_s", "gain_pct",
+                                     "w_over_t", "rule", "m_max_simulated"])
+    return curve[(curve["platform"] == sel.platform) & (curve["model"] == sel.model) & (curve["curve"] == kind)
+                 & (curve["emulation"] == _setting(rows, "emulation", "bandwidth"))
+                 & (curve["io_order"] == _setting(rows, "io_order", "demand_first"))]
+
+
+def simulated_budgets(curve: pd.DataFrame | None, sel: Any, rows: pd.DataFrame) -> dict[str, int]:
+    """The simulated rule's budget per storage for a benchmark's rows (budget_curve.csv's ``storage`` rows)."""
+    st = curve_rows(curve, sel, rows, "storage")
+    return {str(r.storage): int(r.m_max_simulated) for r in st.itertuples()}
+
+
+def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv",
+                  curve: pd.DataFrame | None = None) -> FigureResult:
     """Figure 4: throughput and ReadyRecall of SpecPrefetch vs M_max (mean with its 95 % bootstrap CI over
     repeats), OFF as reference (its CI as a band). A variant of ``device.variants`` that measured the sweep too
     (e.g. FIFO I/O beside demand-first) is a second, dashed line; its cells carry its name (key ``variant``, id
-    prefix ``<variant>:``)."""
+    prefix ``<variant>:``). With ``curve`` (budget_curve.csv) also the simulator's curve from the window profile
+    alone (its speedup over OFF times the measured OFF: the shape a prediction made before the runs gives) and the
+    simulated rule's budget, and each rule's loss against the sweep's fastest budget."""
     rows, sel = _device_rows(runs, path, cfg, "sweep")
     summ, off = _sweep(rows, path, cfg, "experiment 'sweep'")
+    shown = str(_one_storage(rows, path, cfg, "experiment 'sweep'")["storage"].iloc[0])  # the storage drawn
     spec = rows[rows["policy"] == "specprefetch"]
     others = {v: _sweep(r, path, cfg, f"experiment 'sweep@{v}'") + (r,)
               for v, r in variant_rows(runs, sel, "sweep").items()}
@@ -310,11 +349,18 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
                      elinewidth=0.8, label="SpecPrefetch")
         ax1.plot([peak], summ.loc[summ["m_max"] == peak, "tokens_per_s_mean"], marker="*", markersize=9, color=c,
                  linestyle="none", label=f"peak ($M_{{\\max}}={peak}$)")
+        sim_budget = simulated_budgets(curve, sel, rows)
         if not off.empty:
             ost = repeat_stats(off["tokens_per_s"], off["repeat"])
             ax1.axhline(ost.mean, color=color("off"), linestyle="--", linewidth=1.0, label="OFF")
             ax1.axhspan(ost.lo, ost.hi, color=color("off"), alpha=0.15, linewidth=0)
             cells.append(_stat_cell("OFF/throughput", "throughput", ost, {"policy": "OFF"}))
+            sim = curve_rows(curve, sel, rows, "budget")
+            sim = sim[(sim["storage"] == shown) & sim["m_max"].between(summ["m_max"].min(),
+                                                                                         summ["m_max"].max())]
+            if not sim.empty:
+                ax1.plot(sim["m_max"], sim["tokens_per_s"] / sim["off_tokens_per_s"] * ost.mean, color="#777777",
+                         linewidth=0.9, linestyle="-.", label="simulator (profile)", zorder=1)
         for k, (v, (vs, voff, vrows)) in enumerate(others.items()):
             order = IO_ORDER_LABELS.get(_setting(vrows, "io_order", "demand_first"), v)
             dim = {"color": c, "alpha": 0.75, "linestyle": "--", "capsize": 2, "elinewidth": 0.6}
@@ -329,7 +375,8 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
                 ax1.axhline(vst.mean, color=color("off"), linestyle=":", linewidth=1.0, label=f"OFF, {order}")
                 variant_cells.append(_stat_cell(f"{v}:OFF/throughput", "throughput", vst,
                                                 {"policy": "OFF", "variant": v}))
-            variant_cells += _sweep_cells(vs, f"{v}:", {"variant": v}) + rule_losses(vrows, runs, sel, v)
+            variant_cells += _sweep_cells(vs, f"{v}:", {"variant": v}) + rule_losses(
+                vrows, runs, sel, v, simulated_budgets(curve, sel, vrows))
         ax1.set_ylabel("Throughput (tok/s)")
         ax1.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3 if not others else 2, frameon=False,
                    columnspacing=1.0, handlelength=1.5)
@@ -339,17 +386,25 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
         ax2.set_ylabel("ReadyRecall (%)")
         ax2.set_xlabel(r"Maximum prefetch budget $M_{\max}$ (experts/layer)")
         ax2.set_xticks(summ["m_max"].tolist())
+        simulated = sim_budget.get(shown)
         for ax in (ax1, ax2):
             if profiled is not None:
                 ax.axvline(profiled, color="#555555", linestyle=":", linewidth=0.9)
+            if simulated is not None:
+                ax.axvline(simulated, color="#777777", linestyle="-.", linewidth=0.8)
         if profiled is not None:
-            ax2.annotate("profiled", xy=(profiled, ax2.get_ylim()[0]), xytext=(2, 2), textcoords="offset points",
+            ax2.annotate("window rule", xy=(profiled, ax2.get_ylim()[0]), xytext=(2, 2), textcoords="offset points",
                          fontsize=6, color="#555555")
+        if simulated is not None:
+            ax2.annotate("simulated", xy=(simulated, ax2.get_ylim()[1]), xytext=(2, -8), textcoords="offset points",
+                         fontsize=6, color="#777777")
         fig.align_ylabels((ax1, ax2))
         fig.tight_layout(h_pad=0.4)
-    cells += _sweep_cells(summ, "", {}) + variant_cells + rule_losses(rows, runs, sel)
+    cells += _sweep_cells(summ, "", {}) + variant_cells + rule_losses(rows, runs, sel, None, sim_budget)
     doc = TableDoc("fig4_budget", "Figure 4: prefetch budget sweep", cfg["profile"], cells,
                    meta={"platform": sel.platform, "model": sel.model, "profiled_m_max": profiled,
+                         **({"simulated_m_max": simulated, "simulated_m_max_per_storage": sim_budget}
+                            if sim_budget else {}),
                          "storage": sorted(spec["storage"].unique()), "ci": CI_META,
                          "io_order": _setting(rows, "io_order", "demand_first"),
                          "variants": {v: {"io_order": _setting(r, "io_order", "demand_first")}
@@ -386,25 +441,31 @@ EMULATION_TITLES = {"delay": "delay emulation (the paper's)", "bandwidth": "band
 IO_ORDER_LABELS = {"demand_first": "demand first", "fifo": "FIFO I/O"}
 
 
-def figure_storage(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv") -> FigureResult:
+def figure_storage(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv",
+                   curve: pd.DataFrame | None = None) -> FigureResult:
     """Figure 5: OFF vs SpecPrefetch throughput per storage profile (fastest to slowest) with 95 % bootstrap CIs,
     the paired gain on top; with runs.csv's optional ``bound_tokens_per_s`` a marker at each bar's bound and the
     throughput as % of it (in the JSON). One panel per emulation measured: the default's, then each variant's
     (``device.variants``, e.g. the bandwidth emulation beside the paper's delay emulation); a variant's cells carry
-    its name (key ``variant``, id prefix ``<variant>:``)."""
+    its name (key ``variant``, id prefix ``<variant>:``). With ``curve`` (budget_curve.csv) a second row draws each
+    panel's gains against the host-independent axis W/t (:func:`_wt_panel`) with the simulator's curves."""
     has_bound = bound_values(runs, path) is not None
     rows, sel = _device_rows(runs, path, cfg, "storage")
     panels = {None: rows, **variant_rows(runs, sel, "storage")}
     prepared = {v: _storage_gains(r, path, has_bound) for v, r in panels.items()}
     has_bound = any(b for _, b in prepared.values())
+    wt = {v: (curve_rows(curve, sel, r, "storage"), curve_rows(curve, sel, r, "w_over_t")) for v, r in panels.items()}
+    has_wt = any(not a.empty and not b.empty for a, b in wt.values())
     cells: list[Cell] = []
     budgets: dict[str, dict[str, int]] = {}
     meta_variants: dict[str, dict[str, Any]] = {}
+    meta_wt: dict[str, Any] = {}
     with _theme():
         counts = [g["storage"].nunique() for g, _ in prepared.values()]
         wide = COLUMN_WIDTH_IN if len(panels) == 1 else max(COLUMN_WIDTH_IN, 0.8 + 0.75 * sum(counts))
-        fig, axes = plt.subplots(1, len(panels), figsize=(wide, 2.4 if has_bound or len(panels) > 1 else 2.2),
-                                 sharey=True, squeeze=False, gridspec_kw={"width_ratios": counts})
+        high = 2.4 if has_bound or len(panels) > 1 else 2.2
+        fig, axes = plt.subplots(2 if has_wt else 1, len(panels), figsize=(wide, high + (2.1 if has_wt else 0.0)),
+                                 sharey="row", squeeze=False, gridspec_kw={"width_ratios": counts})
         top_all = 0.0
         for ax, (variant, (g, bound)) in zip(axes[0], prepared.items(), strict=True):
             emulation = _setting(g, "emulation", "bandwidth")
@@ -419,16 +480,27 @@ def figure_storage(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str 
                 meta_variants[variant] = {"emulation": emulation, "m_max_per_storage": budgets[variant]}
         for ax in axes[0]:
             ax.set_ylim(0, top_all * 1.18)
+        if has_wt:
+            for ax, (variant, (g, _)) in zip(axes[1], prepared.items(), strict=True):
+                meta_wt[variant or ""] = _wt_panel(ax, g, *wt[variant])
+                ax.set_xlabel("$W/t$: expert loads per prefetch window", fontsize=7)
+                if len(panels) > 1:
+                    ax.set_xlabel("$W/t$: loads per window", fontsize=7)
+            axes[1][0].set_ylabel("SpecPrefetch gain (%)")
+            axes[1][0].legend(frameon=False, loc="upper right", fontsize=6)
+            for ax in axes[0]:
+                ax.set_xlabel("Expert storage (fast → slow)", fontsize=7)
         first = axes[0][0]
         first.set_ylabel("Throughput (tok/s)")
         if len(panels) > 1:  # one legend above both panels, clear of the titles and gain labels
-            fig.supxlabel("Expert storage (fast → slow)", fontsize=8)
+            if not has_wt:
+                fig.supxlabel("Expert storage (fast → slow)", fontsize=8)
             handles, labels = first.get_legend_handles_labels()
             fig.legend(handles, labels, title=None, frameon=False, loc="upper center", ncol=3,
                        bbox_to_anchor=(0.5, 1.0))
             fig.tight_layout(rect=(0, 0, 1, 0.9))
         else:
-            first.set_xlabel("Expert storage (fast → slow)")
+            first.set_xlabel("Expert storage (fast → slow)", fontsize=7 if has_wt else None)
             if has_bound:  # three entries: above the axes, clear of the gain labels
                 first.legend(title=None, frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3)
             else:
@@ -438,8 +510,44 @@ def figure_storage(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str 
                    meta={"platform": sel.platform, "model": sel.model, "bound": has_bound, "ci": CI_META,
                          "emulation": _setting(rows, "emulation", "bandwidth"),
                          "m_max_per_storage": budgets[""], "variants": meta_variants,
+                         **({"w_over_t": meta_wt} if meta_wt else {}),
                          "note": _ci_note(cfg, prepared[None][0])})
     return FigureResult(fig, doc)
+
+
+def _wt_panel(ax: Any, g: pd.DataFrame, storages: pd.DataFrame, grid: pd.DataFrame) -> dict[str, Any]:
+    """Figure 5's lower row: SpecPrefetch's measured gain (mean, 95 % CI) at each storage's W/t (the window over
+    the isolated load time, both from the window profile) and the simulator's gain along W/t from the profile alone,
+    at the window rule's budget and at the simulated rule's (module budget_model). Returns what it drew, for the
+    JSON's meta (W/t is the host's, not a measured result: no cells)."""
+    c = color("specprefetch")
+    spec = g[g["policy"] == "specprefetch"]
+    summ = summarize(spec, ["storage"], ["gain_pct"])
+    where = {str(r.storage): float(r.w_over_t) for r in storages.itertuples()}
+    drawn: dict[str, Any] = {"storages": {}, "simulated": {}}
+    for rule, style in (("window", "-"), ("simulated", "--")):
+        line = grid[grid["rule"] == rule].sort_values("w_over_t")
+        if not line.empty:
+            ax.plot(line["w_over_t"], line["gain_pct"], color="#777777", linestyle=style, linewidth=0.9,
+                    label=f"simulator, {rule} rule")
+            drawn["simulated"][rule] = [[float(x), float(y), int(m)] for x, y, m in
+                                        zip(line["w_over_t"], line["gain_pct"], line["m_max"], strict=True)]
+    for r in summ.itertuples():
+        x = where.get(str(r.storage))
+        if x is None:
+            continue
+        ax.errorbar([x], [r.gain_pct_mean], yerr=[[r.gain_pct_mean - r.gain_pct_lo], [r.gain_pct_hi - r.gain_pct_mean]],
+                    color=c, marker="o", markersize=3.5, capsize=2, elinewidth=0.8, linestyle="none")
+        ax.annotate(storage_label(str(r.storage)), xy=(x, r.gain_pct_mean), xytext=(3, 3), textcoords="offset points",
+                    fontsize=5.5, color=c)
+        drawn["storages"][str(r.storage)] = x
+    ax.axhline(0, color="#999999", linewidth=0.6)
+    ax.set_xscale("log", base=2)
+    ticks = [0.5, 1, 2, 4, 8]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+    ax.grid(axis="x", visible=False)
+    return drawn
 
 
 def _storage_gains(rows: pd.DataFrame, path: Path | str, has_bound: bool) -> tuple[pd.DataFrame, bool]:
@@ -654,6 +762,14 @@ class FigureSpec:
     build: Callable[[Mapping[str, Path], Mapping[str, Any]], FigureResult]
     caption: str
     paper_label: str
+    optional: tuple[str, ...] = ()  # read when given (the DAG always gives them; an older archive may lack them)
+
+
+def _with_curve(fn: Callable[..., FigureResult]) -> Callable[[Mapping[str, Path], Mapping[str, Any]], FigureResult]:
+    """A runs.csv figure that also draws the simulator's curves when budget_curve.csv is given."""
+    def build(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> FigureResult:
+        return fn(read_result_csv(inputs["runs"], "runs"), cfg, inputs["runs"], read_curve(inputs.get("budget_curve")))
+    return build
 
 
 def _from_csv(contract: str, fn: Callable[..., FigureResult]) -> Callable[[Mapping[str, Path], Mapping[str, Any]],
@@ -680,16 +796,20 @@ FIGURES: dict[str, FigureSpec] = {
     "fig1b_window": FigureSpec("fig1b_window", ("window", "window_events"), _build_window,
                                "Measured prefetch window and candidate transfer demand per layer; percentages are "
                                "the fraction of events whose demand exceeds their window.", "Figure 1(b)"),
-    "fig4_budget": FigureSpec("fig4_budget", ("runs",), _from_csv("runs", figure_budget),
+    "fig4_budget": FigureSpec("fig4_budget", ("runs",), _with_curve(figure_budget),
                               "Impact of the maximum prefetch budget $M_{\\max}$ on throughput and ReadyRecall "
-                              "(mean with its 95\\,\\% CI, paired bootstrap over repeats; dotted: the profiled "
-                              "budget).",
-                              "Figure 4"),
-    "fig5_storage": FigureSpec("fig5_storage", ("runs",), _from_csv("runs", figure_storage),
+                              "(mean with its 95\\,\\% CI, paired bootstrap over repeats; dotted: the window rule's "
+                              "profiled budget; dash-dotted: the simulator's curve from the window profile alone, "
+                              "scaled to the measured OFF, and the simulated rule's budget).",
+                              "Figure 4", optional=("budget_curve",)),
+    "fig5_storage": FigureSpec("fig5_storage", ("runs",), _with_curve(figure_storage),
                                "Storage sensitivity of decoding throughput, OFF vs SpecPrefetch, with the paired "
                                "throughput gain of SpecPrefetch per storage profile (error bars: 95\\,\\% CI, paired "
-                               "bootstrap over repeats; black ticks: the runtime's throughput bound, when recorded).",
-                               "Figure 5"),
+                               "bootstrap over repeats; black ticks: the runtime's throughput bound, when recorded). "
+                               "Lower row: the gains against $W/t$, the prefetch window over the isolated load time, "
+                               "with the simulator's gain from the window profile alone at the window rule's and the "
+                               "simulated rule's budget.",
+                               "Figure 5", optional=("budget_curve",)),
     "fig6_component": FigureSpec("fig6_component", ("runs",), _from_csv("runs", figure_component),
                                  "Cold-cache component analysis: compute optimization and prediction-guided "
                                  "prefetching alone and combined (hatched: compute optimization on; error bars: "
@@ -711,10 +831,11 @@ def render_figure(name: str, cfg: Mapping[str, Any], inputs: Mapping[str, Path |
         raise RenderInputError(f"unknown figure {name!r}; choose from {', '.join(FIGURES)}")
     spec = FIGURES[name]
     inputs = require_inputs(name, spec.inputs, inputs)
-    res = spec.build({k: Path(inputs[k]) for k in spec.inputs}, cfg)
+    given = [k for k in (*spec.inputs, *spec.optional) if k in inputs]
+    res = spec.build({k: Path(inputs[k]) for k in given}, cfg)
     base = Path(out_dir) / name
     save_figure(res.fig, base)
-    res.doc.meta.setdefault("inputs", {k: str(inputs[k]) for k in spec.inputs})
+    res.doc.meta.setdefault("inputs", {k: str(inputs[k]) for k in given})
     res.doc.meta["caption"] = spec.caption
     res.doc.meta["paper_label"] = spec.paper_label
     res.doc.write(base.with_suffix(".json"))

@@ -111,11 +111,17 @@ def _claims(path: Path, c: _Collector) -> None:
     claims = doc.get("claims")
     if isinstance(claims, list):
         for verdict in ("fails", "unresolved"):
-            ids = [str(x["id"]) for x in claims
-                   if isinstance(x, dict) and "id" in x and x.get("verdict_reproduced") == verdict]
+            ids = [str(x["id"]) for x in claims if isinstance(x, dict) and "id" in x and not x.get("extension")
+                   and x.get("verdict_reproduced") == verdict]
             c.add("Claims of the paper", f"claims.{verdict}.ids", f"ids of the claims that {verdict[:-1]}"
                   if verdict == "fails" else "ids of the unresolved claims", ", ".join(ids) or "none",
-                  ", ".join(f"`{i}`" for i in ids) or "none", path, f"claims[verdict_reproduced={verdict}].id")
+                  ", ".join(f"`{i}`" for i in ids) or "none", path,
+                  f"claims[verdict_reproduced={verdict},extension=false].id")
+        ext = [x for x in claims if isinstance(x, dict) and "id" in x and x.get("extension")]
+        for x in ext:
+            verdict = str(x.get("verdict_reproduced"))
+            c.add("Claims beyond the paper", f"extensions.{x['id']}", str(x.get("statement", x["id"])), verdict,
+                  f"{verdict}: {x.get('reproduced', '')}", path, f"claims[id={x['id']}].verdict_reproduced")
 
 
 def _meta(doc: TableDoc, key: str) -> Any:

@@ -21,6 +21,7 @@ RESULT_PATHS: dict[str, str] = {
     "window_events": "results/device/window_events.csv",
     "latency": "results/device/latency.csv",
     "host": "results/device/host.csv",
+    "budget_curve": "results/device/budget_curve.csv",
     "realism": "results/realism/realism.csv",
 }
 TABLE_INPUTS: dict[str, tuple[str, ...]] = {
@@ -34,8 +35,8 @@ TABLE_INPUTS: dict[str, tuple[str, ...]] = {
 FIGURE_INPUTS: dict[str, tuple[str, ...]] = {
     "fig1a_latency": ("latency",),
     "fig1b_window": ("window", "window_events"),
-    "fig4_budget": ("runs",),
-    "fig5_storage": ("runs",),
+    "fig4_budget": ("runs", "budget_curve"),
+    "fig5_storage": ("runs", "budget_curve"),
     "fig6_component": ("runs",),
     "fig_recall_per_layer": ("per_layer",),
     "fig_lookahead": ("realism",),

@@ -113,11 +113,13 @@ def _cmd_build_store(args: argparse.Namespace) -> None:
 
 def _cmd_profile_window(args: argparse.Namespace) -> None:
     from specprefetch.runtime.measurement.window import profile_window
+    from specprefetch.runtime.simulation.budget_model import budget_curves
 
     env = _setup(args)
     harness = _harness(env)
     try:
-        profile_window(harness, args.model, env["platform"], args.out, _fragment(env["cfg"], args.model))
+        profile_window(harness, args.model, env["platform"], args.out, _fragment(env["cfg"], args.model),
+                       budget_model=lambda profile, rows: budget_curves(profile, rows, harness.settings))
     finally:
         harness.close()
 
@@ -229,6 +231,10 @@ def _cmd_collect(args: argparse.Namespace) -> None:
     rows = collect_device_benchmarks(args.runs, args.external or [], out / "runs.csv")
     for name in ("window.csv", "window_events.csv", "latency.csv", "host.csv"):
         concat_csvs([Path(d) / name for d in args.windows], out / name)
+    # the simulator's curves of every benchmark's window profile, the variants' too (each row names its emulation and
+    # I/O order); the other window files are the default benchmarks' (Figure 1, the host of Tables 4-5)
+    concat_csvs([Path(d) / "budget_curve.csv" for d in [*args.windows, *args.variant_windows]],
+                out / "budget_curve.csv")
     if args.validation:
         concat_csvs(args.validation, out / "sim_validation.csv")
     log.info("runs.csv: %d rows (%d external logs)", len(rows), len(args.external or []))
@@ -316,6 +322,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--runs", nargs="+", required=True, type=Path, help="measured and simulated run CSVs")
     p.add_argument("--external", nargs="*", default=[], type=Path, help="external device logs (.csv/.jsonl)")
     p.add_argument("--windows", nargs="+", required=True, type=Path, help="profile-window directories")
+    p.add_argument("--variant-windows", nargs="*", default=[], type=Path,
+                   help="the device.variants' profile-window directories (their budget_curve.csv only)")
     p.add_argument("--validation", nargs="*", default=[], type=Path)
     p.add_argument("--out-dir", required=True, type=Path)
     p.set_defaults(func=_cmd_collect)

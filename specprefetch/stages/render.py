@@ -23,7 +23,8 @@ from specprefetch.stages.common import add_config_arg, load_args_config
 
 log = logging.getLogger(__name__)
 
-INPUT_FLAGS = ("recall", "per_layer", "params", "runs", "window", "window_events", "latency", "realism", "host")
+INPUT_FLAGS = ("recall", "per_layer", "params", "runs", "window", "window_events", "latency", "realism", "host",
+               "budget_curve")
 
 
 def _add_input_flags(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
@@ -78,7 +79,7 @@ def _cmd_render_figures(args: argparse.Namespace) -> None:
 
     cfg = load_args_config(args)
     for name in args.figure or list(FIGURES):
-        doc = render_figure(name, cfg, _inputs(args, FIGURES[name].inputs), args.out_dir)
+        doc = render_figure(name, cfg, _inputs(args, FIGURES[name].inputs + FIGURES[name].optional), args.out_dir)
         print(f"{args.out_dir / name}.{{pdf,png,json}}: {len(doc.cells)} values")
 
 
@@ -159,7 +160,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("render-figures", help="Figures 1(a), 1(b), 4, 5, 6 and per-layer recall (PDF, PNG, JSON)")
     add_config_arg(p)
     p.add_argument("--figure", action="append", choices=FIGURES, help="only this figure (repeatable)")
-    _add_input_flags(p, ("per_layer", "runs", "window", "window_events", "latency", "realism"))
+    _add_input_flags(p, ("per_layer", "runs", "window", "window_events", "latency", "realism", "budget_curve"))
     p.add_argument("--out-dir", required=True, type=Path, help="writes <figure>.{pdf,png,json} here")
     p.set_defaults(func=_cmd_render_figures)
 

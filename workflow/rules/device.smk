@@ -188,6 +188,7 @@ rule collect_device_benchmarks:
         simulated=[P.simulated_csv(m) for m in P.device_models],
         validation=[P.sim_validation_csv(m) for m in P.device_models],
         windows=[P.window_dir(m) for m in P.device_models],
+        variant_windows=[P.window_dir(m, tag) for m, tag in P.device_benchmarks() if tag],
         external=P.device["external_logs"],
     output:
         runs=P.result_path("runs"),
@@ -195,6 +196,7 @@ rule collect_device_benchmarks:
         window_events=P.result_path("window_events"),
         latency=P.result_path("latency"),
         host=P.result_path("host"),
+        budget_curve=P.result_path("budget_curve"),
         validation=P.sim_validation_table,
     log:
         P.log_path("collect_device_benchmarks", "collect"),
@@ -210,5 +212,6 @@ rule collect_device_benchmarks:
         out_dir=lambda w, output: P.parent_dir(output.runs),  # the CLI writes every output there
     shell:
         "{params.cli} collect-device-benchmarks --runs {input.measured:q} {input.simulated:q} "
-        "--external {input.external:q} --windows {input.windows:q} --validation {input.validation:q} "
+        "--external {input.external:q} --windows {input.windows:q} --variant-windows {input.variant_windows:q} "
+        "--validation {input.validation:q} "
         "--out-dir {params.out_dir:q} 2>&1 | tee {log:q}"

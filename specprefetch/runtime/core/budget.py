@@ -11,6 +11,10 @@ the scripts) asks this module:
   experts as the storage delivers within the prefetch window ``W``. Per storage from the median window and that
   storage's per-expert transfer time; per layer ``l`` (the layer prefetched into) from layer ``l-1``'s median window
   (:func:`window_budgets`, which ``profile_window`` writes as ``m_max_per_storage`` / ``m_max_per_layer``);
+- **which rule** (``device.budget_rule``): ``window`` (the paper's, above) or ``simulated``: the budget the
+  trace-driven simulator, fed the window profile alone, finds fastest (``m_max_simulated_per_storage``, written by
+  :mod:`specprefetch.runtime.simulation.budget_model`, which says why the window rule under-budgets). Both are
+  profiled either way; the sweep measures both (:func:`rule_budgets`);
 - **which policies have a budget** (:func:`has_budget`): those the ``Policy`` table marks ``budgeted`` (they select at
   M_max; PRED0 selects and issues nothing); every other policy runs with budget 0 and no per-layer budgets
   (:func:`run_budget`);
@@ -91,29 +95,60 @@ def budget_storages(settings: Mapping[str, Any]) -> list[str]:
     return list(dict.fromkeys([settings["reference_storage"], settings["slow_storage"], *settings["storages"]]))
 
 
+RULE_KEYS = {"window": "m_max_per_storage", "simulated": "m_max_simulated_per_storage"}
+
+
+def _rule_budgets(profile: Mapping[str, Any], rule: str, names: Sequence[str]) -> dict[str, int]:
+    """The window profile's budget of each storage in ``names`` by ``rule`` (``RULE_KEYS``)."""
+    per = profile.get(RULE_KEYS[rule]) or {}
+    missing = [st for st in names if st not in per]
+    if missing:
+        raise BudgetError(f"window profile has no {rule}-rule M_max for storage {', '.join(missing)}: rerun "
+                          "profile-window")
+    return {st: int(per[st]) for st in names}
+
+
+def budget_rule(settings: Mapping[str, Any]) -> str:
+    """``device.budget_rule`` (``window`` when unset: the paper's)."""
+    rule = settings.get("budget_rule", "window")
+    if rule not in RULE_KEYS:
+        raise BudgetError(f"invalid config key 'device.budget_rule': {rule!r} (one of {', '.join(RULE_KEYS)})")
+    return str(rule)
+
+
 def storage_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | None,
                     storages: Iterable[str] | None = None, need: str = "a window profile") -> dict[str, int]:
     """M_max per storage (default :func:`budget_storages`): ``device.m_max`` when an integer, else the window
-    profile's budget of each storage (``m_max_per_storage``). ``need`` says, in the error for an auto budget without
-    a profile, how the caller gets one (e.g. "--window (a profile-window directory)")."""
+    profile's budget of each storage by ``device.budget_rule``. ``need`` says, in the error for an auto budget
+    without a profile, how the caller gets one (e.g. "--window (a profile-window directory)")."""
     names = list(budget_storages(settings) if storages is None else storages)
     if not is_auto(settings["m_max"]):
         return {st: int(settings["m_max"]) for st in names}
     if profile is None:
         raise BudgetError(f"device.m_max is auto: its M_max comes from the window profile; give {need}")
-    per = profile.get("m_max_per_storage") or {}
-    missing = [st for st in names if st not in per]
-    if missing:
-        raise BudgetError(f"window profile has no M_max for storage {', '.join(missing)}: rerun profile-window")
-    return {st: int(per[st]) for st in names}
+    return _rule_budgets(profile, budget_rule(settings), names)
+
+
+def rule_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | None) -> dict[str, set[int]]:
+    """Per storage, the budgets every rule the profile has gives (the sweep measures them all, so Figure 4 judges
+    each rule against the measured optimum); empty for a configured integer budget or without a profile."""
+    if profile is None or not is_auto(settings["m_max"]):
+        return {}
+    names = budget_storages(settings)
+    out: dict[str, set[int]] = {st: set() for st in names}
+    for rule, key in RULE_KEYS.items():
+        if key in profile:
+            for st, m in _rule_budgets(profile, rule, names).items():
+                out[st].add(m)
+    return out
 
 
 def layer_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any],
                   budgets: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
     """Per-layer budgets per storage of ``budgets`` (index: the layer prefetched into; layer 0's is the storage's
-    M_max): the window profile's ``m_max_per_layer`` when the budget is auto; none (the one budget) for a configured
-    integer or a storage the profile has no per-layer budgets for."""
-    if not is_auto(settings["m_max"]):
+    M_max): the window profile's ``m_max_per_layer`` when the budget is auto by the window rule; none (the one
+    budget) for a configured integer, the simulated rule, or a storage the profile has no per-layer budgets for."""
+    if not is_auto(settings["m_max"]) or budget_rule(settings) != "window":
         return {}
     per = profile.get("m_max_per_layer") or {}
     n_layers = int(profile.get("n_layers", 0))
@@ -164,8 +199,9 @@ def layer_budget(m_max: int, layer_m_max: Sequence[int], layer: int) -> int:
     return int(layer_m_max[layer]) if 0 <= layer < len(layer_m_max) else int(m_max)
 
 
-__all__ = ["AUTO", "RULE", "BudgetError", "RunBudget", "budget_storages", "derive_m_max", "has_budget", "is_auto",
-           "layer_budget", "layer_budgets", "read_window_profile", "run_budget", "storage_budgets", "window_budgets"]
+__all__ = ["AUTO", "RULE", "RULE_KEYS", "BudgetError", "RunBudget", "budget_rule", "budget_storages", "derive_m_max",
+           "has_budget", "is_auto", "layer_budget", "layer_budgets", "read_window_profile", "rule_budgets",
+           "run_budget", "storage_budgets", "window_budgets"]
 
 
 def profiled_physical_ms(profile: dict[str, Any]) -> float:

@@ -55,7 +55,13 @@ import torch
 from specprefetch.contracts import ROUTING_FORMAT, RUN_COLUMNS, save_tensor_tree, variant_experiment
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance
 from specprefetch.metrics import bootstrap_ci
-from specprefetch.runtime.core.budget import layer_budgets, profiled_physical_ms, run_budget, storage_budgets
+from specprefetch.runtime.core.budget import (
+    layer_budgets,
+    profiled_physical_ms,
+    rule_budgets,
+    run_budget,
+    storage_budgets,
+)
 from specprefetch.runtime.measurement.session import Harness, RunResult
 
 log = logging.getLogger(__name__)
@@ -115,10 +121,12 @@ def parse_layer_budgets(label: Any, m_max: int) -> tuple[int, ...]:
 
 
 def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, experiments: Iterable[str],
-                     layer_m_max: dict[str, tuple[int, ...]] | None = None) -> dict[str, list[RunConfig]]:
+                     layer_m_max: dict[str, tuple[int, ...]] | None = None,
+                     rule_m_max: dict[str, set[int]] | None = None) -> dict[str, list[RunConfig]]:
     """The configurations of every experiment, each storage at its own budget ``budgets[storage]`` (an integer:
-    the same budget everywhere) and, for ``budget``, its per-layer budgets ``layer_m_max[storage]``
-    (:mod:`~specprefetch.runtime.core.budget` decides both)."""
+    the same budget everywhere) and, for ``budget``, its per-layer budgets ``layer_m_max[storage]``; the sweep
+    measures ``device.sweep_m_max``, the storage's budget and every rule's (``rule_m_max[storage]``)
+    (:mod:`~specprefetch.runtime.core.budget` decides them all)."""
     ref, slow = settings["reference_storage"], settings["slow_storage"]
     m_max = budgets if isinstance(budgets, dict) else defaultdict(lambda: int(budgets))
     per_layer = layer_m_max or {}
@@ -133,7 +141,7 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
         elif exp == "sweep":
             out[exp] = []
             for st in settings.get("sweep_storages") or [ref]:
-                ms = sorted({int(m) for m in settings["sweep_m_max"]} | {m_max[st]})
+                ms = sorted({int(m) for m in settings["sweep_m_max"]} | {m_max[st]} | (rule_m_max or {}).get(st, set()))
                 out[exp] += [RunConfig(exp, "off", st, 0)] + [RunConfig(exp, "specprefetch", st, m) for m in ms]
         elif exp == "storage":
             out[exp] = [RunConfig(exp, p, st, m_max[st]) for st in settings["storages"]
@@ -393,7 +401,7 @@ def _plan_blocks(settings: dict[str, Any], profile: dict[str, Any],
     """The plan (each storage at its budget from :mod:`~specprefetch.runtime.core.budget`) and its blocks."""
     m_max = storage_budgets(settings, profile)
     plan = plan_experiments(settings, m_max, experiments or settings["experiments"],
-                            layer_budgets(settings, profile, m_max))
+                            layer_budgets(settings, profile, m_max), rule_budgets(settings, profile))
     blocks = storage_blocks(plan, settings["max_block_runs"])
     repeats = int(settings["repeats"])
     max_repeats = int(settings["max_repeats"] or repeats)

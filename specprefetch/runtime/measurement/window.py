@@ -23,9 +23,12 @@ Measured on the current platform with the real runtime:
 - per-layer latency by component (attention, router, expert_load, moe_compute, other) with all experts
   resident and with on-demand loading (Figure 1a), from forward hooks that time the modules without
   changing them;
-- the compute profile of the trace-driven simulator (per-layer durations, with and without compute_opt).
+- the compute profile of the trace-driven simulator (per-layer durations, with and without compute_opt);
+- with the caller's budget model (:mod:`specprefetch.runtime.simulation.budget_model`), the simulated rule's budget
+  per storage and the simulator's curves, from this profile and the offloaded predicting run's recorded routing.
 
-Outputs (``profile_window``): ``profile.json``, ``window.csv``, ``window_events.csv``, ``latency.csv``.
+Outputs (``profile_window``): ``profile.json``, ``window.csv``, ``window_events.csv``, ``latency.csv``, ``host.csv``
+and, with a budget model, ``budget_curve.csv``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import statistics
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,11 +48,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from specprefetch.contracts import EMULATED, LATENCY_PARTS
+from specprefetch.contracts import BUDGET_CURVE_COLUMNS, EMULATED, LATENCY_PARTS
 from specprefetch.io import atomic_path, provenance, write_json_atomic
 from specprefetch.runtime.core.budget import RULE, budget_storages, derive_m_max, is_auto, window_budgets
 from specprefetch.runtime.core.storage import ExpertReader, host_buffer, measure_transfer_ms
-from specprefetch.runtime.core.timeline import LayerEvent
+from specprefetch.runtime.core.timeline import LayerEvent, routing_rows
 from specprefetch.runtime.measurement.session import Harness, RunResult
 
 log = logging.getLogger(__name__)
@@ -317,9 +321,15 @@ def service_transfer_ms(res: RunResult) -> float:
 
 
 # ------------------------------------------------------------------------------------------ the profile
+BudgetModel = Callable[[dict[str, Any], list[dict[str, Any]]], tuple[dict[str, Any], list[dict[str, Any]]]]
+
+
 def profile_window(harness: Harness, model_name: str, platform: str, out_dir: str | Path,
-                   config_fragment: Any = None) -> dict[str, Any]:
-    """Measure everything above and write the four outputs into ``out_dir`` (atomically)."""
+                   config_fragment: Any = None, budget_model: BudgetModel | None = None) -> dict[str, Any]:
+    """Measure everything above and write the outputs into ``out_dir`` (atomically). ``budget_model`` (the
+    simulation layer's :func:`~specprefetch.runtime.simulation.budget_model.budget_curves`, given by the caller:
+    measurement does not import simulation) is called with the profile and the recorded routing of the offloaded
+    predicting run; its keys join profile.json and its rows are ``budget_curve.csv``."""
     settings = harness.settings
     wcfg = settings["window"]
     prompts = harness.prompts[: int(wcfg["n_prompts"])]
@@ -373,7 +383,13 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
                      / max(1, sum(1 for r in event_rows if r["M"] == m))) for m in demand_m},
         "provenance": provenance(config_fragment),
     }
+    curve_rows = None
+    if budget_model is not None:
+        keys, curve_rows = budget_model(profile, routing_rows(win.candidates.events))
+        profile.update(keys)
     with atomic_path(Path(out_dir), is_dir=True) as tmp:
+        if curve_rows is not None:
+            _write_csv(tmp / "budget_curve.csv", BUDGET_CURVE_COLUMNS, curve_rows)
         _write_csv(tmp / "window.csv", WINDOW_COLUMNS, window_rows)
         _write_csv(tmp / "window_events.csv", EVENT_COLUMNS, event_rows)
         _write_csv(tmp / "host.csv", HOST_COLUMNS, host_rows(profile))
@@ -482,7 +498,7 @@ def _measure_windows(harness: Harness, prompts: list[Any], demand_m: tuple[int, 
     policy = "pred0" if "specprefetch" in harness.providers else "naive"
     ref = harness.settings["reference_storage"]
     window_run = harness.run(policy, "ram", m_max=max(demand_m), preload=True, prompts=prompts)
-    candidates = harness.run(policy, ref, m_max=max(demand_m), topm_absent=demand_m, prompts=prompts)
+    candidates = harness.run(policy, ref, m_max=max(demand_m), topm_absent=demand_m, prompts=prompts, record=True)
     if window_run.tokens() != resident.tokens() or candidates.tokens() != resident.tokens():
         raise RuntimeError("window profiling runs decoded different tokens: the runtime changed the outputs")
     windows = per_layer_windows(candidates.events)

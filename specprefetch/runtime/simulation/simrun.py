@@ -77,6 +77,17 @@ def local_storage(profile: dict[str, Any], storage: str,
     return StorageProfile(storage, "ram"), fixed, 0.0
 
 
+def profile_inputs(profile: dict[str, Any], storage: str, settings: dict[str, Any],
+                   compute_opt: bool = True) -> tuple[ComputeProfile, StorageProfile, float | None]:
+    """What the window profile alone says of a run on ``storage``: (compute model, device model, fixed transfer s).
+    The compute is the profile's all-resident per-layer durations plus, per transfer, the worker hand-off
+    (:func:`local_storage`) and the host CPU a load takes from compute (``transfer_cpu_ms``: the cold disk's, or a
+    page-cache read's for the emulated and RAM storages)."""
+    device, fixed, overhead = local_storage(profile, storage, settings)
+    cpu_ms = profile.get("transfer_cpu_ms", {}).get("nvme_cold" if storage == "nvme_cold" else "ram", 0.0)
+    return ComputeProfile.from_profile(profile, compute_opt, overhead, float(cpu_ms) * 1e-3), device, fixed
+
+
 def check_routing_record(record: Any, path: str | Path, model: str) -> None:
     """A routing record must be ``model``'s and hold, per run, its row and well-formed events (one line if not)."""
     import torch
@@ -162,11 +173,9 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
     for _key, run in tqdm(sorted(record["runs"].items()), desc="simulator validation", disable=None):
         m = run["row"]
         seqs = sequences_from_record(run["events"], n_layers)
-        storage, fixed, overhead = local_storage(profile, m["storage"], settings)
-        cpu = profile.get("transfer_cpu_ms", {})
-        cpu_ms = cpu.get("nvme_cold" if m["storage"] == "nvme_cold" else "ram", 0.0)  # emulated: page-cache reads
-        compute = ComputeProfile.from_profile(profile, bool(m["compute_opt"]), overhead, cpu_ms * 1e-3)
+        compute, storage, fixed = profile_inputs(profile, m["storage"], settings, bool(m["compute_opt"]))
         sims = {"profile": _simulate_run(run, seqs, profile, compute, storage, fixed)}
+        overhead = compute.io_overhead_s
         timings = run.get("timings") or []
         if timings:  # the run's own compute includes what its transfers took from it: no separate CPU charge
             per = [_simulate_run(run, seqs, profile, ComputeProfile.of(t["compute"], io_overhead_s=overhead),
@@ -256,5 +265,5 @@ def write_validation_csv(path: str | Path, rows: Sequence[dict[str, Any]]) -> No
                 w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
-__all__ = ["RUN_COLUMNS", "local_storage", "simulate_platform", "summarize_validation",
+__all__ = ["RUN_COLUMNS", "local_storage", "profile_inputs", "simulate_platform", "summarize_validation",
            "validate_simulator", "write_runs_csv", "write_validation_csv"]
