@@ -582,7 +582,19 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     check_routing_record(record, tmp_path / "r.safetensors", "tiny")
     val = validate_simulator(record, prof, s)
     err = summarize_validation(val)
-    assert len(val) == len(record["runs"]) * 7 * 2 and set(err) == {"profile", "run"}
+    plain = [v for v in val if v["metric"] != "speedup"]
+    assert len(plain) == len(record["runs"]) * 7 * 2 and set(err) == {"profile", "run"}
+    # the speedup over the block's OFF (paired per repeat): every other configuration of a block with an OFF, under
+    # both inputs; measured as the mean of the per-repeat ratios
+    speed = [v for v in val if v["metric"] == "speedup"]
+    others = [r for r in record["runs"].values() if r["row"]["policy"] != "off"]
+    assert len(speed) == 2 * len(others) and all(v["policy"] != "off" and v["simulated"] > 0 for v in speed)
+    rows_by = {(r["block"], r["policy"], r["compute_opt"]): float(r["tokens_per_s"]) for r in rows}
+    for v in speed:
+        row = next(r for r in rows if r["policy"] == v["policy"] and r["experiment"] == v["experiment"]
+                   and r["storage"] == v["storage"] and r["compute_opt"] == v["compute_opt"])
+        want = float(row["tokens_per_s"]) / rows_by[(row["block"], "off", row["compute_opt"])]
+        assert v["measured"] == pytest.approx(want, rel=1e-3) and v["n_repeats"] == 1
     assert all(v == v for e in err.values() for v in (e["tokens_per_s"], e["hits"]))
     assert {v["n_repeats"] for v in val} == {1} and all(len(r["repeats"]) == 1 for r in record["runs"].values())
     # the run inputs are each repeat's own: the compute of its layers and, off the emulated devices, its transfers

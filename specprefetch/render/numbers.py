@@ -23,7 +23,7 @@ from specprefetch.render.cells import Cell, TableDoc, read_table_doc
 
 NUMBERS_FORMAT = "specprefetch-numbers/1"
 VERDICTS = ("holds", "fails", "unresolved")  # comparison.json's summary keys, besides checkable and n/a
-SIM_METRICS = ("tokens_per_s", "stall_ms", "ready_recall")
+SIM_METRICS = ("tokens_per_s", "stall_ms", "ready_recall", "speedup")  # speedup: over the block's OFF, paired
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import csv
 import logging
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +170,8 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
     """
     n_layers = int(profile["n_layers"])
     rows = []
-    for _key, run in tqdm(sorted(record["runs"].items()), desc="simulator validation", disable=None):
+    simulated: dict[str, dict[str, float]] = {}  # run key -> inputs -> simulated tok/s
+    for key, run in tqdm(sorted(record["runs"].items()), desc="simulator validation", disable=None):
         m = run["row"]
         seqs = sequences_from_record(run["events"], n_layers)
         compute, storage, fixed = profile_inputs(profile, m["storage"], settings, bool(m["compute_opt"]))
@@ -182,12 +183,47 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
                                  _run_storage(profile, t, m["storage"], storage), fixed) for t in timings]
             sims["run"] = {k: statistics.fmean(p[k] for p in per) for k in METRICS}
         repeats = run.get("repeats") or [m]
+        simulated[key] = {inputs: float(got["tokens_per_s"]) for inputs, got in sims.items()}
         for inputs, got in sims.items():
             for metric in METRICS:
                 measured = statistics.fmean(float(r[metric]) for r in repeats)
                 rows.append({"inputs": inputs, **{k: m.get(k, "") for k in VALIDATION_COLUMNS[1:9]},
                              "metric": metric, "measured": measured, "simulated": float(got[metric]),
                              "rel_error": relative_error(float(got[metric]), measured), "n_repeats": len(repeats)})
+    return rows + _speedup_rows(record["runs"], simulated)
+
+
+def _block_of(row: Mapping[str, Any]) -> tuple[str, bool]:
+    return str(row.get("block") or f"{row['measured_in'] if row.get('measured_in') else row['experiment']}|"
+               f"{row['storage']}"), bool(row["compute_opt"])
+
+
+def _speedup_rows(runs: Mapping[str, Any], simulated: Mapping[str, Mapping[str, float]]) -> list[dict[str, Any]]:
+    """``speedup``: each configuration's throughput over its block's OFF (same block, same compute_opt), measured
+    as the mean of the per-repeat ratios (paired: one block's runs share each repeat's seconds) and simulated as the
+    ratio of the simulated throughputs. It is what a prediction for another host can be held to: the host's speed
+    at the hour of the run (and the lockstep protocol's cost) moves OFF and the configuration alike, the absolute
+    ``tokens_per_s`` with it."""
+    offs = {_block_of(r["row"]): k for k, r in runs.items() if r["row"]["policy"] == "off"}
+    rows = []
+    for key, run in sorted(runs.items()):
+        m = run["row"]
+        off_key = offs.get(_block_of(m))
+        if m["policy"] == "off" or off_key is None:
+            continue
+        mine = {int(r["repeat"]): float(r["tokens_per_s"]) for r in run.get("repeats") or [m]}
+        base = {int(r["repeat"]): float(r["tokens_per_s"]) for r in runs[off_key].get("repeats") or
+                [runs[off_key]["row"]]}
+        shared = sorted(set(mine) & set(base))
+        if not shared:
+            continue
+        measured = statistics.fmean(mine[i] / base[i] for i in shared)
+        for inputs, tps in simulated[key].items():
+            off_tps = simulated[off_key].get(inputs, float("nan"))
+            sim = tps / off_tps if off_tps > 0 else float("nan")
+            rows.append({"inputs": inputs, **{k: m.get(k, "") for k in VALIDATION_COLUMNS[1:9]}, "metric": "speedup",
+                         "measured": measured, "simulated": sim, "rel_error": relative_error(sim, measured),
+                         "n_repeats": len(shared)})
     return rows
 
 
@@ -196,7 +232,7 @@ def summarize_validation(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, 
     out: dict[str, dict[str, float]] = {}
     for inputs in dict.fromkeys(r["inputs"] for r in rows):
         out[inputs] = {}
-        for metric in METRICS:
+        for metric in (*METRICS, "speedup"):
             errs = [abs(r["rel_error"]) for r in rows
                     if r["inputs"] == inputs and r["metric"] == metric and math.isfinite(r["rel_error"])]
             out[inputs][metric] = statistics.fmean(errs) if errs else float("nan")
