@@ -241,13 +241,27 @@ def test_simulated_rule_takes_the_fastest_budget() -> None:
 
 @pytest.mark.parametrize("emulation", ["delay", "bandwidth"])
 def test_shaped_device_takes_the_asked_load_time(emulation: str) -> None:
-    """The W/t axis's devices: the physical disk's shape, an isolated load of ``transfer_ms``; under the delay
-    emulation a slower device is the disk plus a delay (its bandwidth kept), a faster one the disk scaled."""
+    """The W/t axis's devices: the disk model's shape, a load of ``transfer_ms``; under the delay emulation a slower
+    device is the disk plus a delay (its bandwidth kept), a faster one the disk scaled."""
+    from specprefetch.runtime.core.storage import StorageProfile
     from specprefetch.runtime.simulation.budget_model import shaped_device
 
-    prof = {"physical_model": {"bandwidth_mbps": 2000.0, "latency_ms": 0.5}, "payload_bytes": 2_000_000}
+    disk = StorageProfile("nvme_cold", "emulated", 2000.0, 0.5, 2_000_000, demand_first=False)
     base = 0.5 + 1.0  # latency + 2 MB at 2000 MB/s
     for t in (0.3, base, 4.0, 20.0):
-        dev = shaped_device(prof, emulation, t, demand_first=True)
-        assert dev.transfer_s() * 1e3 == pytest.approx(t) and dev.modelled and dev.demand_first
+        dev = shaped_device(disk, emulation, t)
+        assert dev.transfer_s() * 1e3 == pytest.approx(t) and dev.modelled and not dev.demand_first
         assert (dev.bandwidth_mbps == 2000.0) == (emulation == "delay" and t >= base or t == base)
+
+
+def test_the_disk_model_is_the_runtimes_service_time() -> None:
+    """The simulator's disk from a window profile: one expert per the runtime's measured service time (as the run
+    inputs model each run's disk); a profile without one gets the disk fitted alone."""
+    from specprefetch.runtime.simulation.simrun import disk_model
+
+    prof = {"payload_bytes": 2_000_000, "physical_model": {"bandwidth_mbps": 2000.0, "latency_ms": 0.5},
+            "transfer_ms_in_runtime": {"nvme_cold": 1.6}}
+    d = disk_model(prof, {"io_order": "fifo"})
+    assert d.latency_ms == 0.0 and d.transfer_s() * 1e3 == pytest.approx(1.6) and not d.demand_first
+    fitted = disk_model({**prof, "transfer_ms_in_runtime": {"nvme_cold": float("nan")}}, {})
+    assert (fitted.bandwidth_mbps, fitted.latency_ms, fitted.demand_first) == (2000.0, 0.5, True)

@@ -266,3 +266,32 @@ def test_the_sweeps_argmax_may_move_within_a_tie_but_not_past_one(tmp_path: Path
     # with the throughputs judged by the fixed tolerance only (the old rule), the argmax is compared exactly
     rc, out = _run_cli("diff-tables", str(tmp_path / "old"), str(tmp_path / "new"), "--tolerances", old_rule(tmp_path))
     assert rc == 1 and "FAIL  peak_m_max: 16 -> 4 (-12, -75.0%; m_max tolerance exact)" in out, out
+
+
+def _comparison(d: Path, verdicts: dict[str, str]) -> None:
+    import json
+
+    claims = [{"id": cid, "statement": f"claim {cid}", "verdict_reproduced": v, "device": not cid.startswith("t1")}
+              for cid, v in verdicts.items()]
+    (d / "comparison.json").write_text(json.dumps({"profile": "embedded", "claims": claims}))
+
+
+def test_device_claim_verdicts_of_a_rerun(tmp_path: Path) -> None:
+    """Issue 28's test of a rerun, the same verdict for every device claim: diff-tables lists the device claims
+    whose verdict moved (a note; a failure with --strict-verdicts), never a recall claim; --strict-verdicts without
+    a comparison.json is one line."""
+    cells = [measured("SpecPrefetch/gain_slow", "gain", 11.5, 1.5)]
+    old, new = write(tmp_path / "old", cells), write(tmp_path / "new", cells)
+    _comparison(old, {"t4_specprefetch_faster": "holds", "f5_gain_grows": "unresolved", "t1_best": "fails"})
+    _comparison(new, {"t4_specprefetch_faster": "holds", "f5_gain_grows": "holds", "t1_best": "holds"})
+    rc, out = _run_cli("diff-tables", str(old), str(new), "--config", CONFIG)
+    assert rc == 0 and "claims: 2 device claim(s) in both renderings, 1 with another verdict" in out, out
+    assert "  note  f5_gain_grows: unresolved in OLD, holds in NEW (claim f5_gain_grows)" in out
+    rc, out = _run_cli("diff-tables", str(old), str(new), "--config", CONFIG, "--strict-verdicts")
+    assert rc == 1 and "  FAIL  f5_gain_grows" in out and "RESULT: FAIL (1 failure(s)" in out, out
+    _comparison(new, {"t4_specprefetch_faster": "holds", "f5_gain_grows": "unresolved"})
+    rc, out = _run_cli("diff-tables", str(old), str(new), "--config", CONFIG, "--strict-verdicts")
+    assert rc == 0 and "1 with another verdict" not in out and "(every verdict the same)" in out, out
+    (new / "comparison.json").unlink()
+    rc, out = _run_cli("diff-tables", str(old), str(new), "--config", CONFIG, "--strict-verdicts")
+    assert rc == 2 and "Traceback" not in out and "has none" in out, out

@@ -390,10 +390,14 @@ class DiffReport:
     notes: list[str] = field(default_factory=list)
     n_judged: int = 0  # cells the statistical test judged (the Bonferroni family), identical ones included
     cell_level: float = FAMILY_LEVEL
+    verdicts: list[str] = field(default_factory=list)  # device claims whose verdict differs (comparison.json)
+    n_verdicts: int = 0  # device claims decided in both renderings
+    strict_verdicts: bool = False  # a differing verdict fails the diff
 
     @property
     def failed(self) -> bool:
-        return bool(self.missing_tables or self.new_tables or any(m.failed for m in self.moves))
+        return bool(self.missing_tables or self.new_tables or any(m.failed for m in self.moves)
+                    or (self.strict_verdicts and self.verdicts))
 
     def render(self) -> str:
         out = [f"diff-tables {self.old} -> {self.new}"]
@@ -414,7 +418,13 @@ class DiffReport:
                 continue
             out.append(f"{t}: {n} cells, {len(ms)} moved, {bad} past tolerance")
             out += [m.line() for m in ms]
-        n_bad = sum(m.failed for m in self.moves) + len(self.missing_tables) + len(self.new_tables)
+        if self.n_verdicts:
+            tag = "FAIL" if self.strict_verdicts else "note"
+            out.append(f"claims: {self.n_verdicts} device claim(s) in both renderings, {len(self.verdicts)} with "
+                       "another verdict" + ("" if self.verdicts else " (every verdict the same)"))
+            out += [f"  {tag}  {v}" for v in self.verdicts]
+        n_bad = (sum(m.failed for m in self.moves) + len(self.missing_tables) + len(self.new_tables)
+                 + (len(self.verdicts) if self.strict_verdicts else 0))
         out.append(f"RESULT: {'FAIL' if self.failed else 'OK'} ({n_bad} failure(s), "
                    f"{sum(not m.failed for m in self.moves)} move(s) within tolerance)")
         return "\n".join(out)
@@ -543,5 +553,35 @@ def diff_docs(old: Mapping[str, TableDoc], new: Mapping[str, TableDoc], tol: Tol
     return rep
 
 
-def diff_tables(old: Path | str, new: Path | str, tol: Tolerances) -> DiffReport:
-    return diff_docs(collect_docs(old), collect_docs(new), tol, str(old), str(new))
+def diff_tables(old: Path | str, new: Path | str, tol: Tolerances, strict_verdicts: bool = False) -> DiffReport:
+    rep = diff_docs(collect_docs(old), collect_docs(new), tol, str(old), str(new))
+    rep.strict_verdicts = strict_verdicts
+    verdicts = [claim_verdicts(Path(p)) for p in (old, new)]
+    if verdicts[0] is not None and verdicts[1] is not None:
+        a, b = verdicts
+        shared = [cid for cid in a if cid in b]
+        rep.n_verdicts = len(shared)
+        rep.verdicts = [f"{cid}: {a[cid][0]} in OLD, {b[cid][0]} in NEW ({a[cid][1]})" for cid in shared
+                        if a[cid][0] != b[cid][0]]
+    elif strict_verdicts:
+        raise DiffError("--strict-verdicts compares the two renderings' comparison.json; "
+                        f"{old if verdicts[0] is None else new} has none")
+    return rep
+
+
+def claim_verdicts(path: Path) -> dict[str, tuple[str, str]] | None:
+    """The device claims of a rendering's comparison.json (a directory's, or the directory of a table JSON): id ->
+    (reproduced verdict, statement); None without one. Issue 28's test of a rerun: the same verdict for every device
+    claim."""
+    comp = (path if path.is_dir() else path.parent) / "comparison.json"
+    if not comp.is_file():
+        return None
+    try:
+        doc = read_doc(comp, None, "comparison JSON", required=("claims",))
+    except ContractError as exc:
+        raise DiffError(str(exc)) from None
+    out = {}
+    for c in doc["claims"]:
+        if isinstance(c, dict) and c.get("device") and "id" in c:
+            out[str(c["id"])] = (str(c.get("verdict_reproduced")), str(c.get("statement", "")))
+    return out

@@ -138,7 +138,7 @@ def _cmd_diff(args: argparse.Namespace) -> None:
 
     cfg = load_args_config(args) if args.config else None
     tol = Tolerances.from_sources(cfg, args.tolerances)
-    report = diff_tables(args.old, args.new, tol)
+    report = diff_tables(args.old, args.new, tol, args.strict_verdicts)
     print(report.render())
     if report.failed:
         raise SystemExit(1)
@@ -223,4 +223,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", type=Path, default=None, help="profile YAML whose render.tolerances apply")
     p.add_argument("--tolerances", type=Path, default=None,
                    help="YAML with render.tolerances (or a bare tolerances mapping); overrides --config")
+    p.add_argument("--strict-verdicts", action="store_true",
+                   help="fail when a device claim's verdict differs between the two comparison.json (a rerun's "
+                        "test: the same verdict for every device claim); without it they are listed as notes")
     p.set_defaults(func=_cmd_diff)

@@ -25,7 +25,7 @@ The same simulations give the curves Figures 4 and 5 draw beside the measurement
 - ``budget``: per storage, the simulated throughput of SpecPrefetch at every budget and of OFF;
 - ``storage``: per storage, the window-to-transfer ratio ``W/t`` (``t`` the isolated load time);
 - ``w_over_t``: OFF and SpecPrefetch (at the window rule's and at the simulated rule's budget) on a device of the
-  physical disk's shape made slower or faster, on a grid of ``W/t``: where a host's storages fall on that axis says
+  disk model's shape made slower or faster, on a grid of ``W/t``: where a host's storages fall on that axis says
   what prefetching can gain there, whatever the host.
 """
 
@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from specprefetch.runtime.core.budget import budget_storages, derive_m_max
 from specprefetch.runtime.core.storage import StorageProfile
-from specprefetch.runtime.simulation.simrun import profile_inputs
+from specprefetch.runtime.simulation.simrun import disk_model, profile_inputs
 from specprefetch.runtime.simulation.simulator import ComputeProfile, SimSequence, sequences_from_record, simulate
 
 SIM_RULE = ("the fastest M_max = 1..max(device.sweep_m_max) in the trace-driven simulator fed the window profile and "
@@ -86,21 +86,17 @@ def fastest(per_budget: Mapping[int, float]) -> int:
     return min(finite, key=lambda m: (-finite[m], m))
 
 
-def shaped_device(profile: Mapping[str, Any], emulation: str, transfer_ms: float, demand_first: bool
-                  ) -> StorageProfile:
-    """A device of the physical disk's shape (its fitted pipelined latency and bandwidth, ``physical_model``) whose
-    isolated load of one record takes ``transfer_ms``: under the ``delay`` emulation, no faster than the disk, the
-    disk plus a per-load delay (loads overlap their delays); otherwise (faster than the disk, or the ``bandwidth``
-    emulation) the disk's latency and transfer time scaled alike."""
-    phys = profile["physical_model"]
-    payload = float(profile["payload_bytes"])
-    lat, bw = float(phys["latency_ms"]), float(phys["bandwidth_mbps"])
-    base_ms = lat + payload / (bw * 1e6) * 1e3
-    dev = StorageProfile("w/t", "emulated", bw, lat, payload, emulation="bandwidth", demand_first=demand_first)
+def shaped_device(disk: StorageProfile, emulation: str, transfer_ms: float) -> StorageProfile:
+    """A device of the disk model's shape (:func:`~specprefetch.runtime.simulation.simrun.disk_model`) whose load of
+    one record takes ``transfer_ms``: under the ``delay`` emulation, no faster than the disk, the disk plus a per-load
+    delay (loads overlap their delays); otherwise (faster than the disk, or the ``bandwidth`` emulation) the disk's
+    latency and transfer time scaled alike."""
+    base_ms = disk.transfer_s() * 1e3
+    dev = replace(disk, name="w/t", emulation="bandwidth")
     if emulation == "delay" and transfer_ms >= base_ms:
-        return replace(dev, latency_ms=lat + transfer_ms - base_ms)
+        return replace(dev, latency_ms=disk.latency_ms + transfer_ms - base_ms)
     scale = transfer_ms / base_ms
-    return replace(dev, latency_ms=lat * scale, bandwidth_mbps=bw / scale)
+    return replace(dev, latency_ms=disk.latency_ms * scale, bandwidth_mbps=disk.bandwidth_mbps / scale)
 
 
 def isolated_ms(profile: Mapping[str, Any], storage: str) -> float:
@@ -133,10 +129,10 @@ def budget_curves(profile: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
                 for m, v in per.items()]
     ref = settings["reference_storage"]
     compute, _, _ = profile_inputs(dict(profile), ref, dict(settings))
-    demand_first = io_order == "demand_first"
+    disk = disk_model(profile, settings)
     for x in tqdm(W_OVER_T_GRID, desc="simulated W/t axis", disable=None):
         t = w / x
-        device = shaped_device(profile, emulation, t, demand_first)
+        device = shaped_device(disk, emulation, t)
         off, per, best = sim.curve(compute, device, None)
         by_window = derive_m_max(w, t, sim.n_experts)
         for rule, m in (("window", min(by_window, max(sim.budgets))), ("simulated", best)):

@@ -57,24 +57,35 @@ def local_storage(profile: dict[str, Any], storage: str,
     """(device model, fixed transfer s, per-transfer overhead s) of ``storage`` as profiled on this machine."""
     payload = int(profile["payload_bytes"])
     overshoot = profile.get("emulation_overshoot_ms", {})
-
-    def physical() -> StorageProfile:
-        phys = profile.get("physical_model")
-        if not phys:
-            raise SpecPrefetchError("profile.json has no physical_model: nvme_cold was not profiled")
-        return StorageProfile("nvme_cold", "emulated", float(phys["bandwidth_mbps"]), float(phys["latency_ms"]),
-                              payload, demand_first=settings.get("io_order", "demand_first") == "demand_first")
-
     if storage in EMULATED:
         prof = make_profile(storage, settings, payload, lambda: profiled_physical_ms(profile))
-        if prof.delayed:  # the physical disk's model plus the delay (the read's own spread is in the disk's model)
-            return delayed_device(physical(), prof), None, 0.0
+        if prof.delayed:  # the disk's model plus the delay (the read's own spread is in the disk's model)
+            return delayed_device(disk_model(profile, settings), prof), None, 0.0
         over = overshoot.get(storage, {}).get("mean_ms", 0.0) if isinstance(overshoot, dict) else 0.0
         return prof, None, float(over) * 1e-3
     if storage == "nvme_cold":
-        return physical(), None, 0.0
+        return disk_model(profile, settings), None, 0.0
     fixed = float(profile["transfer_ms"].get(storage, {}).get("transfer_ms", 0.0)) * 1e-3
     return StorageProfile(storage, "ram"), fixed, 0.0
+
+
+def disk_model(profile: Mapping[str, Any], settings: Mapping[str, Any]) -> StorageProfile:
+    """The physical disk as the simulator models it from the window profile: as the runtime experiences it, one
+    expert per ``transfer_ms_in_runtime['nvme_cold']`` (the service time of a prefetching run at M = K: the workers'
+    overlap, their wake-ups and the CPU they share with compute included), as the ``run`` inputs model it with each
+    run's own service time; a profile without it gets the disk fitted alone (``physical_model``: pipelined latency,
+    concurrent bandwidth), which over-states the disk while the model computes on a small host."""
+    payload = int(profile["payload_bytes"])
+    demand_first = settings.get("io_order", "demand_first") == "demand_first"
+    t = float((profile.get("transfer_ms_in_runtime") or {}).get("nvme_cold", float("nan")))
+    if math.isfinite(t) and t > 0:
+        return StorageProfile("nvme_cold", "emulated", payload / (t * 1e-3) / 1e6, 0.0, payload,
+                              demand_first=demand_first)
+    phys = profile.get("physical_model")
+    if not phys:
+        raise SpecPrefetchError("profile.json has no physical_model: nvme_cold was not profiled")
+    return StorageProfile("nvme_cold", "emulated", float(phys["bandwidth_mbps"]), float(phys["latency_ms"]),
+                          payload, demand_first=demand_first)
 
 
 def profile_inputs(profile: dict[str, Any], storage: str, settings: dict[str, Any],
