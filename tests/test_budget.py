@@ -254,14 +254,18 @@ def test_shaped_device_takes_the_asked_load_time(emulation: str) -> None:
         assert (dev.bandwidth_mbps == 2000.0) == (emulation == "delay" and t >= base or t == base)
 
 
-def test_the_disk_model_is_the_runtimes_service_time() -> None:
-    """The simulator's disk from a window profile: one expert per the runtime's measured service time (as the run
-    inputs model each run's disk); a profile without one gets the disk fitted alone."""
+def test_the_disk_model_is_fitted_to_the_isolated_read_and_the_runtimes_service_time() -> None:
+    """The simulator's disk from a window profile: a load alone takes the isolated read's time, back to back one
+    expert per the runtime's measured service time (the rest of the isolated read is a pipelined latency); without
+    an isolated read, no latency; without the runtime's service time, the disk fitted alone."""
     from specprefetch.runtime.simulation.simrun import disk_model
 
     prof = {"payload_bytes": 2_000_000, "physical_model": {"bandwidth_mbps": 2000.0, "latency_ms": 0.5},
-            "transfer_ms_in_runtime": {"nvme_cold": 1.6}}
+            "transfer_ms_in_runtime": {"nvme_cold": 1.6}, "transfer_ms": {"nvme_cold": {"transfer_ms": 1.9}}}
     d = disk_model(prof, {"io_order": "fifo"})
-    assert d.latency_ms == 0.0 and d.transfer_s() * 1e3 == pytest.approx(1.6) and not d.demand_first
+    assert d.transfer_s() * 1e3 == pytest.approx(1.9) and d.latency_ms == pytest.approx(0.3) and not d.demand_first
+    assert 2_000_000 / (d.bandwidth_mbps * 1e6) * 1e3 == pytest.approx(1.6)  # the data phase: the service time
+    d = disk_model({**prof, "transfer_ms": {}}, {"io_order": "fifo"})
+    assert d.latency_ms == 0.0 and d.transfer_s() * 1e3 == pytest.approx(1.6)
     fitted = disk_model({**prof, "transfer_ms_in_runtime": {"nvme_cold": float("nan")}}, {})
     assert (fitted.bandwidth_mbps, fitted.latency_ms, fitted.demand_first) == (2000.0, 0.5, True)

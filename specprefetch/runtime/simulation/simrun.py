@@ -70,16 +70,21 @@ def local_storage(profile: dict[str, Any], storage: str,
 
 
 def disk_model(profile: Mapping[str, Any], settings: Mapping[str, Any]) -> StorageProfile:
-    """The physical disk as the simulator models it from the window profile: as the runtime experiences it, one
-    expert per ``transfer_ms_in_runtime['nvme_cold']`` (the service time of a prefetching run at M = K: the workers'
-    overlap, their wake-ups and the CPU they share with compute included), as the ``run`` inputs model it with each
-    run's own service time; a profile without it gets the disk fitted alone (``physical_model``: pipelined latency,
-    concurrent bandwidth), which over-states the disk while the model computes on a small host."""
+    """The physical disk as the simulator models it from the window profile, fitted to two measurements of it: a
+    load takes the isolated cold read's time when alone (``transfer_ms['nvme_cold']``, one request at a time) and,
+    back to back, the runtime's service time (``transfer_ms_in_runtime['nvme_cold']``: a prefetching run at M = K,
+    the workers' overlap, their wake-ups and the CPU they share with compute included). So the data phase is the
+    service time (the device serves one expert per service time under load) and the rest of the isolated read is a
+    pipelined latency. A profile without the runtime's service time gets the disk fitted alone (``physical_model``:
+    the concurrent throughput of the disk with nothing computing), which over-states it while the model computes on
+    a small host."""
     payload = int(profile["payload_bytes"])
     demand_first = settings.get("io_order", "demand_first") == "demand_first"
-    t = float((profile.get("transfer_ms_in_runtime") or {}).get("nvme_cold", float("nan")))
-    if math.isfinite(t) and t > 0:
-        return StorageProfile("nvme_cold", "emulated", payload / (t * 1e-3) / 1e6, 0.0, payload,
+    service = float((profile.get("transfer_ms_in_runtime") or {}).get("nvme_cold", float("nan")))
+    alone = float(((profile.get("transfer_ms") or {}).get("nvme_cold") or {}).get("transfer_ms", float("nan")))
+    if math.isfinite(service) and service > 0:
+        latency = max(0.0, alone - service) if math.isfinite(alone) else 0.0
+        return StorageProfile("nvme_cold", "emulated", payload / (service * 1e-3) / 1e6, latency, payload,
                               demand_first=demand_first)
     phys = profile.get("physical_model")
     if not phys:
