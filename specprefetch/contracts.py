@@ -347,6 +347,14 @@ CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
         # no such pair, and in files from before the look-ahead was measured
         *(Column(f"fate_recall_d{d}", "float", lo=0.0, hi=1.0, nullable=True, default="") for d in (2, 3)),
     ),
+    # results/predictors/predictor_cost.csv (predictors.cost): per model and live method, the trainable parameters
+    # and the prediction time per layer pair as a ratio of one MoE layer's compute (mean over rounds, bootstrap CI)
+    "predictor_cost": (
+        Column("model"), Column("method", allowed=METHODS), Column("trainable_params", "int", lo=0),
+        Column("layer_us", "float", lo=0.0, lo_open=True), Column("predict_us", "float", lo=0.0, lo_open=True),
+        Column("ratio", "float", lo=0.0), Column("ratio_lo", "float", lo=0.0), Column("ratio_hi", "float", lo=0.0),
+        Column("rounds", "int", lo=2),
+    ),
 }
 
 # Column names in file order (the writers' headers); runs.csv has more columns than its contract checks.
@@ -355,6 +363,7 @@ PER_LAYER_COLUMNS = [c.name for c in CSV_CONTRACTS["per_layer"]]
 PARAM_COLUMNS = [c.name for c in CSV_CONTRACTS["params"]]
 REALISM_COLUMNS = [c.name for c in CSV_CONTRACTS["realism"]]
 BUDGET_CURVE_COLUMNS = [c.name for c in CSV_CONTRACTS["budget_curve"]]
+COST_COLUMNS = [c.name for c in CSV_CONTRACTS["predictor_cost"]]
 RUN_COLUMNS = [
     "platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat", "tokens_per_s",
     "ready_recall", "n_tokens", "hits", "misses", "prefetched", "wasted", "stall_ms", "source",

@@ -212,7 +212,7 @@ class Pipeline:
     @staticmethod
     def result_path(name: str) -> str:
         """A gathered result the rendering reads (``render.targets.RESULT_PATHS``: recall, per_layer, params, runs,
-        window, window_events, latency)."""
+        window, window_events, latency, ..., predictor_cost)."""
         return RESULT_PATHS[name]
 
     def model_dir(self, model: str) -> str | None:
@@ -458,6 +458,7 @@ class Pipeline:
         "gather_traces": {"cpu": {"mem_mb": 2000, "runtime": 30}, "paper": {"mem_mb": 2000, "runtime": 30}},
         "gather_recall": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
         "gather_params": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
+        "measure_predictor_cost": {"cpu": {"mem_mb": 2000, "runtime": 20}, "paper": {"mem_mb": 16000, "runtime": 60}},
         "measure_realism": {"cpu": {"mem_mb": 2000, "runtime": 10}, "paper": {"mem_mb": 16000, "runtime": 240}},
         "collect_device_benchmarks": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
         "archive_results": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},

@@ -680,3 +680,39 @@ def test_deepspeed_zero2_online_training_over_gloo(smoke_cfg: dict, stand_in_dir
         trained_kl = sum(float(next_layer_kl(p(b), b["logits"])) for b in batches)
         init_kl = sum(float(next_layer_kl(init(b), b["logits"])) for b in batches)
     assert trained_kl < init_kl, (trained_kl, init_kl)
+
+
+# --------------------------------------------------------------------------------------------- prediction cost
+
+
+def test_prediction_cost_of_trained_predictors(cfg: dict, corpus: Path, tmp_path: Path) -> None:
+    """measure-predictor-cost times the saved predictors against one MoE layer of the model's shape: one row per
+    live method (the oracle skipped), their own parameter counts, ratios with a CI, the contract checked."""
+    from specprefetch.contracts import check_csv
+    from specprefetch.predictors.cost import measure_predictor_cost, write_predictor_cost
+
+    dirs = []
+    for method in ("specprefetch", "fate", "frequency", "oracle"):
+        torch.manual_seed(0)
+        p = build_predictor(method, cfg, DIMS)
+        p.fit_statistics(TraceReader(corpus))
+        dirs.append(p.save(tmp_path / method, extra_meta={"model": MODEL, "trainable_params": p.trainable_params()}))
+    rows = measure_predictor_cost(cfg, dirs, rounds=3, reps=2)
+    assert [r["method"] for r in rows] == ["specprefetch", "fate", "frequency"]
+    assert rows[0]["trainable_params"] == build_predictor("specprefetch", cfg, DIMS).trainable_params() > 0
+    for r in rows:
+        assert r["model"] == MODEL and r["rounds"] == 3 and r["layer_us"] > 0 and r["predict_us"] > 0
+        assert 0 <= r["ratio_lo"] <= r["ratio"] <= r["ratio_hi"]
+    out = tmp_path / "predictor_cost.csv"
+    write_predictor_cost(rows, out)
+    assert len(check_csv(out, "predictor_cost")) == 3
+    bad = out.read_text().replace(",3\n", ",1\n", 1)  # one timing round: no CI
+    (tmp_path / "bad.csv").write_text(bad)
+    with pytest.raises(SpecPrefetchError, match="rounds"):
+        check_csv(tmp_path / "bad.csv", "predictor_cost")
+    with pytest.raises(SpecPrefetchError, match="not in the config"):
+        measure_predictor_cost({**cfg, "models": {}}, dirs, rounds=3, reps=1)
+    with pytest.raises(SpecPrefetchError, match="rounds 1 must be >= 2"):
+        measure_predictor_cost(cfg, dirs, rounds=1, reps=1)
+    with pytest.raises(SpecPrefetchError, match="a second fate"):
+        measure_predictor_cost(cfg, [dirs[1], dirs[1]], rounds=2, reps=1)

@@ -73,8 +73,21 @@ def _params_rows(cfg: dict) -> pd.DataFrame:
         d, n, lm1 = mc["hidden_size"], mc["n_experts"], n_moe_layers(mc) - 1
         counts = {"specprefetch": lm1 * 16 * (d + n), "single_mlp": d * 256 + 256 + 256 * n + n,
                   "promoe": lm1 * (d * d + d + d * n + n), "draft_model": 4096 * 128 + 2 * 197_120 + 128 * n * lm1}
+        counts |= {m: 0 for m in ("fate", "previous_token", "frequency", "oracle")  # training-free, as gathered
+                   if m in cfg["predictors"]["methods"]}
         rows += [{"model": model, "method": m, "trainable_params": v} for m, v in counts.items()]
     return pd.DataFrame(rows)
+
+
+def _cost_rows(cfg: dict) -> pd.DataFrame:
+    """predictor_cost.csv: each live method's prediction time per layer pair as a share of one MoE layer."""
+    share = {"specprefetch": 0.02, "fate": 0.007, "single_mlp": 0.04, "promoe": 0.03, "draft_model": 0.08,
+             "previous_token": 0.015, "frequency": 0.0015}
+    params = _params_rows(cfg).set_index(["model", "method"])["trainable_params"]
+    return pd.DataFrame([{"model": model, "method": m, "trainable_params": int(params[(model, m)]),
+                          "layer_us": 2500.0, "predict_us": 2500.0 * v, "ratio": v, "ratio_lo": 0.8 * v,
+                          "ratio_hi": 1.25 * v, "rounds": 20}
+                         for model in cfg["models"] for m, v in share.items() if m in cfg["predictors"]["methods"]])
 
 
 def _runs_rows(model: str = "tiny-deepseek-vl2", repeats: int = 5) -> pd.DataFrame:
@@ -192,7 +205,7 @@ def write_fixture_results(root: Path, cfg: dict) -> dict[str, Path]:
     window, events = _window_rows()
     frames = {"recall": recall, "per_layer": per_layer, "params": _params_rows(cfg), "runs": _runs_rows(),
               "window": window, "window_events": events, "latency": _latency_rows(), "realism": _realism_rows(cfg),
-              "host": _host_rows()}
+              "host": _host_rows(), "predictor_cost": _cost_rows(cfg)}
     from specprefetch.render.data import DEFAULT_PATHS
 
     paths = {}
@@ -669,6 +682,39 @@ def test_lookahead_figure_reads_the_realism_columns(rendered: Path, cfg: dict) -
     assert doc[f"{qwen}/{gsm}/d2"].keys["d"] == 2 and (rendered / "figures" / "fig_lookahead.png").exists()
 
 
+def test_pareto_figure_sets_recall_against_size_cost_and_runtime(rendered: Path, cfg: dict,
+                                                                 results: dict[str, Path], tmp_path: Path) -> None:
+    """fig_pareto: per model and live method R@K (mean over the workloads every method has, then over seeds), its
+    parameters and cost; the matched experiment's gain against ReadyRecall; no oracle; no runtime panel without
+    runs.csv; a method without a cost row is one line naming it."""
+    from specprefetch.render.data import RenderInputError, read_result_csv
+    from specprefetch.render.figures import render_figure
+
+    doc = read_table_doc(rendered / "figures" / "fig_pareto.json").by_id()
+    ds, qwen = (cfg["models"][m]["display_name"] for m in ("tiny-deepseek-vl2", "tiny-qwen3-vl-moe"))
+    recall = read_result_csv(results["recall"], "recall")
+    k = cfg["models"]["tiny-deepseek-vl2"]["top_k"]
+    r = recall[(recall["model"] == "tiny-deepseek-vl2") & (recall["method"] == "specprefetch") & (recall["M"] == k)]
+    per_seed = r.groupby("seed")["expert_recall"].mean() * 100.0
+    cell = doc[f"{ds}/SpecPrefetch/recall"]
+    assert cell.value == pytest.approx(per_seed.mean()) and cell.keys["workloads"] == len(cfg["workloads"])
+    assert (cell.n or 1) == len(per_seed)
+    # the fixture has no Draft Model on Qwen's LLM workloads: Qwen's points average the workloads all methods have
+    assert doc[f"{qwen}/SpecPrefetch/recall"].keys["workloads"] < len(cfg["workloads"])
+    assert doc[f"{ds}/FATE/params"].value == 0 and doc[f"{ds}/SpecPrefetch/params"].value > 0
+    assert doc[f"{ds}/SpecPrefetch/cost"].value == pytest.approx(2.0) and doc[f"{ds}/SpecPrefetch/cost"].has_ci
+    assert not any("Oracle" in c for c in doc)
+    gains = [c for c in doc if c.endswith("/gain")]
+    assert gains and all(f"{c[:-len('/gain')]}/ready" in doc for c in gains)
+    no_runs = {k: v for k, v in results.items() if k != "runs"}
+    lean = render_figure("fig_pareto", cfg, no_runs, tmp_path).by_id()
+    assert not any(c.endswith("/gain") for c in lean) and f"{ds}/SpecPrefetch/recall" in lean
+    cost = pd.read_csv(results["predictor_cost"])
+    cost[cost["method"] != "promoe"].to_csv(tmp_path / "cost.csv", index=False)
+    with pytest.raises(RenderInputError, match="promoe"):
+        render_figure("fig_pareto", cfg, {**no_runs, "predictor_cost": tmp_path / "cost.csv"}, tmp_path / "x")
+
+
 def test_registries_agree_with_the_rule_targets() -> None:
     from specprefetch.render import targets
     from specprefetch.render.figures import FIGURES
@@ -687,7 +733,7 @@ def test_registries_agree_with_the_rule_targets() -> None:
             assert all(getattr(args, k) is not None for k in needs), (command, name)
     outs = targets.all_outputs({"render": {"out_dir": "x"}}, with_pdf=True)
     assert "x/paper_tables.pdf" in outs and "x/table5_matched_vs_paper.tex" in outs
-    assert "x/results/runs.csv" in outs and len(outs) == 12 + 21 + 8 + 2 + len(targets.RESULT_PATHS)
+    assert "x/results/runs.csv" in outs and len(outs) == 12 + 24 + 8 + 2 + len(targets.RESULT_PATHS)
     assert "x/table0_realism.tex" in outs and "x/table0_realism_vs_paper.tex" not in outs  # itself a comparison
     smk = (ROOT / "workflow" / "rules" / "render.smk").read_text()
     for rule in ("render_table", "render_figure", "compare_with_paper", "write_preview", "compile_preview"):

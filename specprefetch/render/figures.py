@@ -25,7 +25,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from specprefetch.contracts import split_experiment, variant_experiment  # noqa: E402
 from specprefetch.io import atomic_path  # noqa: E402
-from specprefetch.render.cells import Cell, TableDoc  # noqa: E402
+from specprefetch.render.cells import Cell, TableDoc, seed_fields  # noqa: E402
 from specprefetch.render.data import (  # noqa: E402
     BOUND_COLUMN,
     CI_META,
@@ -52,6 +52,7 @@ from specprefetch.render.style import (  # noqa: E402
     MODE_LABELS,
     POLICY_LABELS,
     STORAGE_ORDER,
+    TEXT_WIDTH_IN,
     color,
     method_label,
     paper_rc,
@@ -752,6 +753,152 @@ def figure_lookahead(realism: pd.DataFrame, cfg: Mapping[str, Any], path: Path |
     return FigureResult(fig, doc)
 
 
+PARETO_MARKERS = ("o", "s", "P", "X")  # one per model (panels a, b)
+STORAGE_MARKERS = ("D", "^", "v", "<", ">", "h")  # one per storage (panel c)
+
+
+def pareto_points(recall: pd.DataFrame, params: pd.DataFrame, cost: pd.DataFrame, cfg: Mapping[str, Any],
+                  paths: Mapping[str, Path | str]) -> pd.DataFrame:
+    """Per model and live method (the oracle excluded: it reads the routing it predicts): R@K at M = K as the
+    unweighted mean over the configured workloads every method was evaluated on (all of them in a pipeline run), per
+    seed, then over seeds (:func:`seed_fields`, a t-interval
+    when the method has two or more seeds), its trainable parameters and its prediction cost (% of one MoE layer,
+    with the bootstrap CI over timing rounds). A method missing from params or cost is an error naming it."""
+    from specprefetch import registry
+
+    live = {m for m, spec in registry.methods().items() if not spec.sees_future}
+    methods = [m for m in cfg["predictors"]["methods"] if m in live]
+    rows = []
+    for model in cfg["models"]:
+        k = int(cfg["models"][model]["top_k"])
+        rec = recall[(recall["model"] == model) & (recall["M"] == k) & recall["workload"].isin(list(cfg["workloads"]))]
+        # the workloads every method was evaluated on, so every point averages the same ones
+        common = [w for w in cfg["workloads"] if all(((rec["method"] == m) & (rec["workload"] == w)).any()
+                                                     for m in methods)]
+        if not common:
+            raise RenderInputError(f"{paths['recall']}: no workload with R@{k} rows of every method "
+                                   f"({', '.join(methods)}) for model={model!r} (column 'workload')")
+        rec = rec[rec["workload"].isin(common)]
+        for method in methods:
+            r = rec[rec["method"] == method]
+            per_seed = {int(s): float(g["expert_recall"].mean()) * 100.0 for s, g in r.groupby("seed")}
+            par = require_rows(params, paths["params"], "the Pareto figure", model=model, method=method)
+            c = require_rows(cost, paths["predictor_cost"], "the Pareto figure", model=model, method=method)
+            c0 = c.iloc[0]
+            rows.append({"model": model, "method": method, "params": int(par["trainable_params"].iloc[0]),
+                         "cost_pct": float(c0["ratio"]) * 100.0, "cost_lo": float(c0["ratio_lo"]) * 100.0,
+                         "cost_hi": float(c0["ratio_hi"]) * 100.0, "rounds": int(c0["rounds"]),
+                         "layer_us": float(c0["layer_us"]), "workloads": len(common),
+                         "M": k, **{f"recall_{key}": v for key, v in seed_fields(per_seed).items()}})
+    return pd.DataFrame(rows)
+
+
+def _xy_err(ax: Any, x: float, y: float, xlo: float | None, xhi: float | None, ylo: float | None,
+            yhi: float | None, **style: Any) -> None:
+    """One point with its CIs on either axis (absent: no bar)."""
+    xerr = None if xlo is None or pd.isna(xlo) else [[x - xlo], [xhi - x]]
+    yerr = None if ylo is None or pd.isna(ylo) else [[y - ylo], [yhi - y]]
+    ax.errorbar([x], [y], xerr=xerr, yerr=yerr, linestyle="none", markersize=4.5, elinewidth=0.8, capsize=1.5,
+                markeredgecolor="white", markeredgewidth=0.4, **style)
+
+
+def _matched_points(runs: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any]) -> pd.DataFrame:
+    """Per storage and prefetching policy of the matched-budget experiment: the paired gain vs OFF and the
+    ReadyRecall (%), each a :class:`RepeatStats` (empty when the runs hold no matched experiment)."""
+    sel = select_device(runs, path, cfg)
+    sub = runs[(runs["platform"] == sel.platform) & (runs["model"] == sel.model) & (runs["source"] == sel.sources[0])
+               & (runs["experiment"] == "matched")]
+    if sub.empty:
+        return pd.DataFrame()
+    g = paired_gains(sub, path)
+    g = g[g["policy"] != "off"].assign(ready_pct=lambda d: d["ready_recall"] * 100.0)
+    out = summarize(g, ["storage", "policy", "m_max"], ["gain_pct", "ready_pct"])
+    return out.assign(model=sel.model)
+
+
+def figure_pareto(recall: pd.DataFrame, params: pd.DataFrame, cost: pd.DataFrame, runs: pd.DataFrame | None,
+                  cfg: Mapping[str, Any], paths: Mapping[str, Path | str]) -> FigureResult:
+    """Beyond the paper: what each predictor buys for what it costs. (a) R@K against trainable parameters (symlog:
+    the training-free methods at 0), (b) R@K against the prediction time per layer pair as a share of one MoE
+    layer's compute (the budget a next-layer prediction has to fit in), (c) with runs.csv's matched-budget
+    experiment: the runtime's paired throughput gain vs OFF against its ReadyRecall, per storage and policy (does
+    recall turn into throughput). Error bars: the seed t-interval (recall), the bootstrap over timing rounds (cost),
+    the paired bootstrap over repeats (device)."""
+    pts = pareto_points(recall, params, cost, cfg, paths)
+    dev = _matched_points(runs, paths.get("runs", "runs.csv"), cfg) if runs is not None else pd.DataFrame()
+    models = list(dict.fromkeys(pts["model"]))
+    marker = {m: PARETO_MARKERS[i % len(PARETO_MARKERS)] for i, m in enumerate(models)}
+    cells: list[Cell] = []
+    for r in pts.itertuples():
+        mdisp, label = model_display(cfg, r.model), method_label(r.method)
+        keys = {"model": mdisp, "method": label, "M": r.M, "workloads": r.workloads}
+        rec = {k[len("recall_"):]: v for k, v in r._asdict().items()
+               if k.startswith("recall_") and not (isinstance(v, float) and pd.isna(v))}
+        cells += [Cell(id=f"{mdisp}/{label}/recall", quantity="recall", keys=keys, **rec),
+                  Cell(id=f"{mdisp}/{label}/params", quantity="params", value=float(r.params), keys=keys),
+                  Cell(id=f"{mdisp}/{label}/cost", quantity="share_pct", value=r.cost_pct, lo=r.cost_lo,
+                       hi=r.cost_hi, keys={**keys, "rounds": r.rounds})]
+    panels = 3 if not dev.empty else 2
+    with _theme():
+        fig, axes = plt.subplots(1, panels, figsize=(TEXT_WIDTH_IN if panels == 3 else COLUMN_WIDTH_IN * 1.6, 2.5))
+        axes[1].sharey(axes[0])
+        for r in pts.itertuples():
+            style = {"color": color(r.method), "marker": marker[r.model]}
+            lo, hi = getattr(r, "recall_lo", None), getattr(r, "recall_hi", None)
+            _xy_err(axes[0], float(r.params), r.recall_value, None, None, lo, hi, **style)
+            _xy_err(axes[1], r.cost_pct, r.recall_value, r.cost_lo, r.cost_hi, lo, hi, **style)
+        axes[0].set_xscale("symlog", linthresh=100.0, linscale=0.4)
+        axes[0].set_xlim(left=-20.0)
+        axes[0].set_xlabel("Trainable parameters")
+        axes[1].set_xscale("log")
+        axes[1].set_xlabel("Prediction cost (% of one MoE layer)")
+        axes[0].set_ylabel("R@$K$ (%), mean over workloads")
+        axes[0].set_title("(a) recall vs size", loc="left")
+        axes[1].set_title("(b) recall vs compute", loc="left")
+        handles = [matplotlib.lines.Line2D([], [], color=color(m), marker="o", linestyle="none", markersize=4.5,
+                                           label=method_label(m)) for m in dict.fromkeys(pts["method"])]
+        handles += [matplotlib.lines.Line2D([], [], color="#555555", marker=marker[m], linestyle="none",
+                                            markersize=4.5, label=_display(cfg, m)) for m in models]
+        meta_dev: dict[str, Any] = {}
+        if not dev.empty:
+            ax = axes[2]
+            storages = [s for s in STORAGE_ORDER if s in set(dev["storage"])]
+            smark = {s: STORAGE_MARKERS[i % len(STORAGE_MARKERS)] for i, s in enumerate(storages)}
+            for r in dev.itertuples():
+                gs, rs = r.gain_pct_stats, r.ready_pct_stats
+                if rs is None:
+                    continue
+                _xy_err(ax, rs.mean, gs.mean, rs.lo, rs.hi, gs.lo, gs.hi, color=color(r.policy),
+                        marker=smark[r.storage])
+                keys = {"storage": r.storage, "policy": POLICY_LABELS[r.policy], "m_max": int(r.m_max)}
+                cells += [_stat_cell(f"{r.storage}/{POLICY_LABELS[r.policy]}/gain", "gain", gs, keys),
+                          _stat_cell(f"{r.storage}/{POLICY_LABELS[r.policy]}/ready", "ready_recall", rs, keys)]
+            ax.axhline(0.0, color="#888888", linewidth=0.6, linestyle=":")
+            ax.set_xlabel("ReadyRecall (%)")
+            ax.set_ylabel("Gain vs OFF (%)")
+            ax.set_title(f"(c) runtime, {_display(cfg, str(dev['model'].iloc[0]))}", loc="left")
+            for p in dict.fromkeys(dev["policy"]):
+                if POLICY_LABELS[p] not in {h.get_label() for h in handles}:  # a policy named as its method
+                    handles.append(matplotlib.lines.Line2D([], [], color=color(p), marker="o", linestyle="none",
+                                                           markersize=4.5, label=POLICY_LABELS[p]))
+            handles += [matplotlib.lines.Line2D([], [], color="#555555", marker=smark[s], linestyle="none",
+                                                markersize=4.5, label=storage_label(s)) for s in storages]
+            meta_dev = {"model": str(dev["model"].iloc[0]),
+                        "m_max_per_storage": {s: sorted({int(v) for v in dev[dev["storage"] == s]["m_max"]})
+                                              for s in storages}}
+        ncol = min(len(handles), 7 if panels == 3 else 4)
+        fig.legend(handles=handles, loc="upper center", ncol=ncol, frameon=False, bbox_to_anchor=(0.5, 1.0),
+                   columnspacing=0.8, handlelength=1.0, fontsize=6)
+        rows_leg = math.ceil(len(handles) / ncol)
+        fig.tight_layout(rect=(0, 0, 1, 1 - (0.04 + 0.11 * rows_leg) / fig.get_figheight()))
+    layer = {model_display(cfg, m): float(pts[pts["model"] == m]["layer_us"].iloc[0]) for m in models}
+    doc = TableDoc("fig_pareto", "Recall against predictor size and compute; runtime gain against ReadyRecall",
+                   cfg["profile"], cells,
+                   meta={"note": _caption_note(cfg), "layer_us": layer, "rounds": int(pts["rounds"].iloc[0]),
+                         "matched": meta_dev, "ci": CI_META})
+    return FigureResult(fig, doc)
+
+
 # --------------------------------------------------------------------------------------------- registry
 
 
@@ -778,6 +925,12 @@ def _from_csv(contract: str, fn: Callable[..., FigureResult]) -> Callable[[Mappi
         path = inputs[contract]
         return fn(read_result_csv(path, contract), cfg, path)
     return build
+
+
+def _build_pareto(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> FigureResult:
+    runs = read_result_csv(inputs["runs"], "runs") if "runs" in inputs else None
+    return figure_pareto(read_result_csv(inputs["recall"], "recall"), read_result_csv(inputs["params"], "params"),
+                         read_result_csv(inputs["predictor_cost"], "predictor_cost"), runs, cfg, inputs)
 
 
 def _build_latency(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> FigureResult:
@@ -821,6 +974,13 @@ FIGURES: dict[str, FigureSpec] = {
     "fig_lookahead": FigureSpec("fig_lookahead", ("realism",), _from_csv("realism", figure_lookahead),
                                 "FATE ExpertRecall@$K$ predicting the experts $d$ MoE layers ahead (the gate of layer "
                                 "$l+d$ on $x^l$), per workload, all tokens.", "Look-ahead (beyond the paper)"),
+    "fig_pareto": FigureSpec("fig_pareto", ("recall", "params", "predictor_cost"), _build_pareto,
+                             "What a predictor buys for what it costs: (a) ExpertRecall@$K$ (mean over workloads; "
+                             "95\\,\\% t-interval over training seeds) against trainable parameters, (b) against "
+                             "the prediction time per layer pair as a share of one MoE layer's compute (95\\,\\% "
+                             "bootstrap CI over interleaved timing rounds), (c) the runtime's paired throughput gain "
+                             "vs OFF against ReadyRecall at the matched budget, per storage (95\\,\\% CIs, paired "
+                             "bootstrap over repeats).", "Pareto (beyond the paper)", optional=("runs",)),
 }
 
 

@@ -23,6 +23,7 @@ RESULT_PATHS: dict[str, str] = {
     "host": "results/device/host.csv",
     "budget_curve": "results/device/budget_curve.csv",
     "realism": "results/realism/realism.csv",
+    "predictor_cost": "results/predictors/predictor_cost.csv",
 }
 TABLE_INPUTS: dict[str, tuple[str, ...]] = {
     "table0_realism": ("realism",),
@@ -40,6 +41,7 @@ FIGURE_INPUTS: dict[str, tuple[str, ...]] = {
     "fig6_component": ("runs",),
     "fig_recall_per_layer": ("per_layer",),
     "fig_lookahead": ("realism",),
+    "fig_pareto": ("recall", "params", "predictor_cost", "runs"),
 }
 TABLE_NAMES = list(TABLE_INPUTS)
 # The tables with a reproduced-vs-reported companion (<table>_vs_paper.tex); table0_realism is itself a comparison

@@ -1,4 +1,4 @@
-"""CLI: ``train-predictor``, ``evaluate-recall``, ``gather-recall``, ``gather-params``."""
+"""CLI: ``train-predictor``, ``evaluate-recall``, ``gather-recall``, ``gather-params``, ``measure-predictor-cost``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from specprefetch.io import SpecPrefetchError
-from specprefetch.stages.common import add_model_args, load_args_config
+from specprefetch.stages.common import add_config_arg, add_model_args, load_args_config
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
@@ -56,6 +56,14 @@ def _cmd_gather_params(args: argparse.Namespace) -> None:
     print(df.to_string(index=False))
 
 
+def _cmd_cost(args: argparse.Namespace) -> None:
+    from specprefetch.predictors.cost import measure_predictor_cost, write_predictor_cost
+
+    rows = measure_predictor_cost(load_args_config(args), args.dirs, args.rounds, args.reps)
+    df = write_predictor_cost(rows, args.out)
+    print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-predictor", help="train (or fit) one next-layer expert predictor")
     add_model_args(p)
@@ -88,3 +96,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("dirs", nargs="+", type=Path)
     p.set_defaults(func=_cmd_gather_params)
+
+    p = sub.add_parser("measure-predictor-cost",
+                       help="each trained predictor's time per layer pair as a share of one MoE layer (Pareto)")
+    add_config_arg(p)
+    p.add_argument("--rounds", type=int, default=20, help="interleaved rounds (the CI is over them; >= 2)")
+    p.add_argument("--reps", type=int, default=20, help="calls per function per round")
+    p.add_argument("--out", required=True, type=Path, help="output CSV (contract predictor_cost)")
+    p.add_argument("dirs", nargs="+", type=Path, help="trained predictor directories (one per model and method)")
+    p.set_defaults(func=_cmd_cost)

@@ -24,7 +24,7 @@ from specprefetch.stages.common import add_config_arg, load_args_config
 log = logging.getLogger(__name__)
 
 INPUT_FLAGS = ("recall", "per_layer", "params", "runs", "window", "window_events", "latency", "realism", "host",
-               "budget_curve")
+               "budget_curve", "predictor_cost")
 
 
 def _add_input_flags(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
@@ -146,6 +146,7 @@ def _cmd_diff(args: argparse.Namespace) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from specprefetch.render import diff
+    from specprefetch.render.targets import FIGURE_INPUTS
     from specprefetch.render.targets import FIGURE_NAMES as FIGURES
     from specprefetch.render.targets import TABLE_NAMES as TABLES
 
@@ -157,10 +158,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--templates", type=Path, default=None, help="jinja2 template directory (workflow/templates)")
     p.set_defaults(func=_cmd_render_tables)
 
-    p = sub.add_parser("render-figures", help="Figures 1(a), 1(b), 4, 5, 6 and per-layer recall (PDF, PNG, JSON)")
+    p = sub.add_parser("render-figures", help="Figures 1(a), 1(b), 4, 5, 6 and those beyond the paper (PDF, PNG, "
+                                              "JSON)")
     add_config_arg(p)
     p.add_argument("--figure", action="append", choices=FIGURES, help="only this figure (repeatable)")
-    _add_input_flags(p, ("per_layer", "runs", "window", "window_events", "latency", "realism", "budget_curve"))
+    _add_input_flags(p, tuple(n for n in INPUT_FLAGS if any(n in f for f in FIGURE_INPUTS.values())))
     p.add_argument("--out-dir", required=True, type=Path, help="writes <figure>.{pdf,png,json} here")
     p.set_defaults(func=_cmd_render_figures)
 

@@ -104,3 +104,28 @@ rule gather_params:
         cli=P.cli,
     shell:
         "{params.cli} gather-params --out {output:q} {input:q} 2>&1 | tee {log:q}"
+
+
+rule measure_predictor_cost:
+    """Each live predictor's time per layer pair as a share of one MoE layer's compute, timed interleaved on one
+    thread (the Pareto figure's cost axis; beyond the paper), on the trained predictors (seed 0 of each method)."""
+    input:
+        P.predictor_dirs(),
+    output:
+        P.result_path("predictor_cost"),
+    log:
+        P.log_path("measure_predictor_cost", "predictor_cost"),
+    benchmark:
+        P.benchmark_path("measure_predictor_cost", "predictor_cost")
+    conda:
+        P.conda_env
+    threads: 1
+    resources:
+        **P.resources("measure_predictor_cost"),
+    params:
+        cli=P.cli,
+        config=P.config_param,
+        cfg=lambda w: P.hash_of("models", "seed"),
+    shell:
+        "export OMP_NUM_THREADS={threads:q}; "
+        "{params.cli} measure-predictor-cost --config {params.config:q} --out {output:q} {input:q} 2>&1 | tee {log:q}"
