@@ -342,9 +342,21 @@ def test_table4_paired_gains_match_hand_computation(rendered: Path, results: dic
     assert "mean $\\pm$ 95 \\% CI half-width, paired bootstrap over 5 repeats, 64 decoded tokens per run" in tex
     # what the host gave the runs, from host.csv: the reader can set this run beside one on another host
     assert ("Host (profile-window): compute 2.90 ms per MoE layer all resident, window W = 3.20 ms; NVMe (cold): "
-            "t = 1.30 ms per expert, W/t = 2.46, M\\_max = 2.") in tex.replace("\n", " ")
+            "t = 1.30 ms per expert, W/t = 2.46, M\\_max = 2 (the window rule's budget for W/t within -18.8 \\% / "
+            "+21.9 \\% of this host's).") in tex.replace("\n", " ")
     host = read_table_doc(rendered / "table4_overhead.json").meta["host"]
     assert [h["storage"] for h in host] == ["nvme_cold"] and host[0]["m_max"] == 2
+    assert host[0]["window_rule_margin"] == pytest.approx({"down_pct": -18.75, "up_pct": 21.875}, abs=1e-6)
+
+
+def test_window_rule_margin_says_how_far_the_host_may_drift() -> None:
+    """W/t = 2.92 gives floor 2, and a 2.7 % longer window (or faster transfer) gives 3: the knife edge on which two
+    runs of this host got different budgets; a budget the window rule did not give has no margin."""
+    from specprefetch.render.tables import window_rule_margin
+
+    assert window_rule_margin(2.92, 2) == pytest.approx({"down_pct": -31.51, "up_pct": 2.74}, abs=0.01)
+    assert window_rule_margin(0.6, 1) == pytest.approx({"down_pct": -100.0, "up_pct": 233.33}, abs=0.01)
+    assert window_rule_margin(2.92, 4) is None and window_rule_margin(0.0, 1) is None
 
 
 def test_table5_says_what_the_host_gave_each_storage(rendered: Path) -> None:

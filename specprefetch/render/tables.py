@@ -9,6 +9,7 @@ the comparison with the paper read is exactly what the table prints.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -427,16 +428,36 @@ def host_note(inputs: Mapping[str, Path], sel: DeviceSelection, storages: Sequen
         return "", []
     rows = rows.set_index("storage").loc[[st for st in storages if st in set(rows["storage"])]]
     parts = []
+    margins: dict[str, dict[str, float]] = {}
     for st, r in rows.iterrows():
         delay = f", {r['emulation']} emulation, delay {r['delay_ms']:.2f} ms" if r["emulation"] != "none" else ""
+        margin = window_rule_margin(float(r["w_over_t"]), int(r["m_max"]))
+        edge = ""
+        if margin is not None:
+            margins[str(st)] = margin
+            edge = (f" (the window rule's budget for W/t within {margin['down_pct']:+.1f} % / "
+                    f"{margin['up_pct']:+.1f} % of this host's)")
         parts.append(f"{storage_label(st)}: t = {r['transfer_ms']:.2f} ms per expert, W/t = {r['w_over_t']:.2f}, "
-                     f"M_max = {int(r['m_max'])}{delay}")
+                     f"M_max = {int(r['m_max'])}{edge}{delay}")
     first = rows.iloc[0]
     text = (f"Host (profile-window): compute {first['compute_ms']:.2f} ms per MoE layer all resident, window "
             f"W = {first['window_ms']:.2f} ms; " + "; ".join(parts) + ".")
     meta = [{"storage": st, **{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()
-                                if k not in ("platform", "model")}} for st, r in rows.iterrows()]
+                                if k not in ("platform", "model")},
+             **({"window_rule_margin": margins[str(st)]} if str(st) in margins else {})} for st, r in rows.iterrows()]
     return text, meta
+
+
+def window_rule_margin(w_over_t: float, m_max: int) -> dict[str, float] | None:
+    """How far W/t may move before the window rule's budget ``floor(W/t)`` changes, in % of this host's W/t: down to
+    ``m_max`` (``down_pct``, negative; -100 % at M_max = 1, the rule's floor) and up to ``m_max + 1`` (``up_pct``).
+    A rerun whose window or transfer time drifts by more than that gets another budget, so a claim about "the
+    profiled M_max" is only as stable as this margin. None where ``m_max`` is not the window
+    rule's (a configured integer, the simulated rule) or W/t is not positive."""
+    if not (w_over_t > 0) or m_max != max(1, math.floor(w_over_t)):
+        return None
+    down = -100.0 if m_max == 1 else (m_max / w_over_t - 1.0) * 100.0
+    return {"down_pct": down, "up_pct": ((m_max + 1) / w_over_t - 1.0) * 100.0}
 
 
 def storage_phrase(storage: str) -> str:
