@@ -295,3 +295,29 @@ def test_device_claim_verdicts_of_a_rerun(tmp_path: Path) -> None:
     (new / "comparison.json").unlink()
     rc, out = _run_cli("diff-tables", str(old), str(new), "--config", CONFIG, "--strict-verdicts")
     assert rc == 2 and "Traceback" not in out and "has none" in out, out
+
+
+def test_verdicts_across_runs(tmp_path: Path) -> None:
+    """compare-verdicts: each device claim's verdict per run and the one they support together (the shared one,
+    else unresolved); a claim one run lacks is 'not in every run', not a disagreement; --strict fails on a
+    disagreement; a rendering without comparison.json, or a single one, is one line."""
+    runs = [tmp_path / f"r{i}" for i in range(3)]
+    for d, (a, b) in zip(runs, [("holds", "holds"), ("holds", "unresolved"), ("holds", "fails")], strict=True):
+        d.mkdir()
+        _comparison(d, {"t4_specprefetch_faster": a, "f5_slow_over_cold": b, "t1_best": "fails"})
+    _comparison(runs[2], {"t4_specprefetch_faster": "holds", "f5_slow_over_cold": "fails", "t1_best": "fails",
+                          "x_new_claim": "holds"})
+    rc, out = _run_cli("compare-verdicts", *map(str, runs))
+    assert rc == 0, out
+    assert "| `t4_specprefetch_faster` claim t4_specprefetch_faster | holds | holds | holds | **holds** |" in out
+    assert "| holds | unresolved | fails | **unresolved** (runs disagree) |" in out
+    assert "| – | – | holds | **unresolved** (not in every run) |" in out and "t1_best" not in out
+    assert ("1 of 3 device claims give the same verdict in all 3 runs; 1 differ: f5_slow_over_cold; 1 not in every "
+            "run: x_new_claim") in out
+    rc, out = _run_cli("compare-verdicts", "--strict", *map(str, runs))
+    assert rc == 1, out
+    rc, out = _run_cli("compare-verdicts", "--strict", str(runs[0]), str(runs[0]))
+    assert rc == 0 and "2 of 2 device claims give the same verdict in all 2 runs" in out, out
+    for bad in ([str(runs[0])], [str(runs[0]), str(tmp_path)]):
+        rc, out = _run_cli("compare-verdicts", *bad)
+        assert rc == 2 and "Traceback" not in out and ("two or more" in out or "no comparison.json" in out), out

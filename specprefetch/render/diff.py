@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -585,3 +585,61 @@ def claim_verdicts(path: Path) -> dict[str, tuple[str, str]] | None:
         if isinstance(c, dict) and c.get("device") and "id" in c:
             out[str(c["id"])] = (str(c.get("verdict_reproduced")), str(c.get("statement", "")))
     return out
+
+
+@dataclass
+class AcrossRuns:
+    """Every device claim's verdict in each of several renderings of the same DAG (fresh runs at other hours) and the
+    verdict they support together: the shared one where every run gives it, else unresolved. The project's rule for
+    a device verdict: it counts when another fresh run gives the same one."""
+
+    runs: list[str]
+    rows: list[tuple[str, str, list[str | None]]]  # (claim id, statement, verdict per run; None: not in that run)
+
+    @staticmethod
+    def combined(verdicts: Sequence[str | None]) -> str:
+        given = [v for v in verdicts if v is not None]
+        return given[0] if given and len(given) == len(verdicts) and len(set(given)) == 1 else "unresolved"
+
+    @property
+    def disagreeing(self) -> list[str]:
+        """Claims two runs give different verdicts."""
+        return [cid for cid, _, vs in self.rows if len({v for v in vs if v is not None}) > 1]
+
+    @property
+    def partial(self) -> list[str]:
+        """Claims some run does not have (a claim added since): unresolved together, but not a disagreement."""
+        return [cid for cid, _, vs in self.rows if None in vs and cid not in self.disagreeing]
+
+    def render(self) -> str:
+        head = ["claim", *[f"run {i + 1}" for i in range(len(self.runs))], "across runs"]
+        out = [*(f"run {i + 1}: {r}" for i, r in enumerate(self.runs)), "",
+               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for cid, statement, vs in self.rows:
+            both = self.combined(vs)
+            mark = (" (runs disagree)" if cid in self.disagreeing else " (not in every run)" if None in vs else "")
+            out.append(f"| `{cid}` {statement} | " + " | ".join(v or "–" for v in vs) + f" | **{both}**{mark} |")
+        n, k = len(self.rows), len(self.runs)
+        same = n - len(self.disagreeing) - len(self.partial)
+        out += ["", f"{same} of {n} device claims give the same verdict in all {k} runs"
+                + (f"; {len(self.disagreeing)} differ: {', '.join(self.disagreeing)}" if self.disagreeing else "")
+                + (f"; {len(self.partial)} not in every run: {', '.join(self.partial)}" if self.partial else "")]
+        return "\n".join(out)
+
+
+def verdicts_across_runs(paths: Sequence[Path | str]) -> AcrossRuns:
+    """The device claims of two or more renderings' comparison.json, in the first rendering's order (claims only a
+    later one has follow). A rendering without comparison.json is an error naming it."""
+    if len(paths) < 2:
+        raise DiffError(f"compare-verdicts needs two or more renderings, got {len(paths)}")
+    per_run = []
+    for p in map(Path, paths):
+        v = claim_verdicts(p)
+        if v is None:
+            raise DiffError(f"{p}: no comparison.json (render it with `snakemake paper_tables`)")
+        per_run.append(v)
+    ids = list(dict.fromkeys(cid for v in per_run for cid in v))
+    rows = [(cid, next(v[cid][1] for v in per_run if cid in v), [v[cid][0] if cid in v else None for v in per_run])
+            for cid in ids]
+    return AcrossRuns([str(p) for p in paths], rows)
+

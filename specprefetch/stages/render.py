@@ -144,6 +144,15 @@ def _cmd_diff(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+def _cmd_compare_verdicts(args: argparse.Namespace) -> None:
+    from specprefetch.render.diff import verdicts_across_runs
+
+    report = verdicts_across_runs(args.renderings)
+    print(report.render())
+    if args.strict and report.disagreeing:
+        raise SystemExit(1)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from specprefetch.render import diff
     from specprefetch.render.targets import FIGURE_INPUTS
@@ -229,3 +238,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="fail when a device claim's verdict differs between the two comparison.json (a rerun's "
                         "test: the same verdict for every device claim); without it they are listed as notes")
     p.set_defaults(func=_cmd_diff)
+
+    p = sub.add_parser("compare-verdicts", help="every device claim's verdict in several renderings (fresh runs) and "
+                                                "the verdict they support together")
+    p.add_argument("renderings", nargs="+", type=Path,
+                   help="two or more rendering directories with a comparison.json (e.g. paper_tables, another run's)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when the runs disagree on any device claim")
+    p.set_defaults(func=_cmd_compare_verdicts)
