@@ -761,9 +761,9 @@ def pareto_points(recall: pd.DataFrame, params: pd.DataFrame, cost: pd.DataFrame
                   paths: Mapping[str, Path | str]) -> pd.DataFrame:
     """Per model and live method (the oracle excluded: it reads the routing it predicts): R@K at M = K as the
     unweighted mean over the configured workloads every method was evaluated on (all of them in a pipeline run), per
-    seed, then over seeds (:func:`seed_fields`, a t-interval
-    when the method has two or more seeds), its trainable parameters and its prediction cost (% of one MoE layer,
-    with the bootstrap CI over timing rounds). A method missing from params or cost is an error naming it."""
+    seed, then over seeds (``recall``: :func:`seed_fields`, a t-interval when the method has two or more seeds), its
+    trainable parameters and its prediction cost (% of one MoE layer, with the bootstrap CI over timing rounds). A
+    method missing from params or cost is an error naming it."""
     from specprefetch import registry
 
     live = {m for m, spec in registry.methods().items() if not spec.sees_future}
@@ -789,15 +789,15 @@ def pareto_points(recall: pd.DataFrame, params: pd.DataFrame, cost: pd.DataFrame
                          "cost_pct": float(c0["ratio"]) * 100.0, "cost_lo": float(c0["ratio_lo"]) * 100.0,
                          "cost_hi": float(c0["ratio_hi"]) * 100.0, "rounds": int(c0["rounds"]),
                          "layer_us": float(c0["layer_us"]), "workloads": len(common),
-                         "M": k, **{f"recall_{key}": v for key, v in seed_fields(per_seed).items()}})
+                         "M": k, "recall": seed_fields(per_seed)})
     return pd.DataFrame(rows)
 
 
 def _xy_err(ax: Any, x: float, y: float, xlo: float | None, xhi: float | None, ylo: float | None,
             yhi: float | None, **style: Any) -> None:
     """One point with its CIs on either axis (absent: no bar)."""
-    xerr = None if xlo is None or pd.isna(xlo) else [[x - xlo], [xhi - x]]
-    yerr = None if ylo is None or pd.isna(ylo) else [[y - ylo], [yhi - y]]
+    xerr = None if xlo is None else [[x - xlo], [xhi - x]]
+    yerr = None if ylo is None else [[y - ylo], [yhi - y]]
     ax.errorbar([x], [y], xerr=xerr, yerr=yerr, linestyle="none", markersize=4.5, elinewidth=0.8, capsize=1.5,
                 markeredgecolor="white", markeredgewidth=0.4, **style)
 
@@ -832,9 +832,7 @@ def figure_pareto(recall: pd.DataFrame, params: pd.DataFrame, cost: pd.DataFrame
     for r in pts.itertuples():
         mdisp, label = model_display(cfg, r.model), method_label(r.method)
         keys = {"model": mdisp, "method": label, "M": r.M, "workloads": r.workloads}
-        rec = {k[len("recall_"):]: v for k, v in r._asdict().items()
-               if k.startswith("recall_") and not (isinstance(v, float) and pd.isna(v))}
-        cells += [Cell(id=f"{mdisp}/{label}/recall", quantity="recall", keys=keys, **rec),
+        cells += [Cell(id=f"{mdisp}/{label}/recall", quantity="recall", keys=keys, **r.recall),
                   Cell(id=f"{mdisp}/{label}/params", quantity="params", value=float(r.params), keys=keys),
                   Cell(id=f"{mdisp}/{label}/cost", quantity="share_pct", value=r.cost_pct, lo=r.cost_lo,
                        hi=r.cost_hi, keys={**keys, "rounds": r.rounds})]
@@ -844,9 +842,9 @@ def figure_pareto(recall: pd.DataFrame, params: pd.DataFrame, cost: pd.DataFrame
         axes[1].sharey(axes[0])
         for r in pts.itertuples():
             style = {"color": color(r.method), "marker": marker[r.model]}
-            lo, hi = getattr(r, "recall_lo", None), getattr(r, "recall_hi", None)
-            _xy_err(axes[0], float(r.params), r.recall_value, None, None, lo, hi, **style)
-            _xy_err(axes[1], r.cost_pct, r.recall_value, r.cost_lo, r.cost_hi, lo, hi, **style)
+            y, lo, hi = r.recall["value"], r.recall.get("lo"), r.recall.get("hi")
+            _xy_err(axes[0], float(r.params), y, None, None, lo, hi, **style)
+            _xy_err(axes[1], r.cost_pct, y, r.cost_lo, r.cost_hi, lo, hi, **style)
         axes[0].set_xscale("symlog", linthresh=100.0, linscale=0.4)
         axes[0].set_xlim(left=-20.0)
         axes[0].set_xlabel("Trainable parameters")

@@ -1,5 +1,5 @@
 """CLI: ``render-tables``, ``render-figures``, ``compare-paper``, ``write-numbers``, ``compile-preview``,
-``diff-tables``.
+``diff-tables``, ``compare-verdicts``.
 
 The Snakemake rules in workflow/rules/render.smk call exactly these; each also runs by hand, e.g.::
 
@@ -17,14 +17,19 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from specprefetch.stages.common import add_config_arg, load_args_config
 
 log = logging.getLogger(__name__)
 
-INPUT_FLAGS = ("recall", "per_layer", "params", "runs", "window", "window_events", "latency", "realism", "host",
-               "budget_curve", "predictor_cost")
+
+def _input_names(inputs: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The result CSVs any of ``inputs`` (``TABLE_INPUTS`` or ``FIGURE_INPUTS``) reads, in RESULT_PATHS' order."""
+    from specprefetch.render.targets import RESULT_PATHS
+
+    return tuple(n for n in RESULT_PATHS if any(n in needs for needs in inputs.values()))
 
 
 def _add_input_flags(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
@@ -155,14 +160,14 @@ def _cmd_compare_verdicts(args: argparse.Namespace) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from specprefetch.render import diff
-    from specprefetch.render.targets import FIGURE_INPUTS
+    from specprefetch.render.targets import FIGURE_INPUTS, TABLE_INPUTS
     from specprefetch.render.targets import FIGURE_NAMES as FIGURES
     from specprefetch.render.targets import TABLE_NAMES as TABLES
 
     p = sub.add_parser("render-tables", help="Tables 1-5 as LaTeX (+ a JSON of every cell) from the result CSVs")
     add_config_arg(p)
     p.add_argument("--table", action="append", choices=TABLES, help="only this table (repeatable)")
-    _add_input_flags(p, ("recall", "params", "runs", "realism", "host"))
+    _add_input_flags(p, _input_names(TABLE_INPUTS))
     p.add_argument("--out-dir", required=True, type=Path, help="writes <table>.tex and <table>.json here")
     p.add_argument("--templates", type=Path, default=None, help="jinja2 template directory (workflow/templates)")
     p.set_defaults(func=_cmd_render_tables)
@@ -171,7 +176,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                               "JSON)")
     add_config_arg(p)
     p.add_argument("--figure", action="append", choices=FIGURES, help="only this figure (repeatable)")
-    _add_input_flags(p, tuple(n for n in INPUT_FLAGS if any(n in f for f in FIGURE_INPUTS.values())))
+    _add_input_flags(p, _input_names(FIGURE_INPUTS))
     p.add_argument("--out-dir", required=True, type=Path, help="writes <figure>.{pdf,png,json} here")
     p.set_defaults(func=_cmd_render_figures)
 
