@@ -327,6 +327,11 @@ def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
             if unknown:
                 raise ConfigError(f"invalid config key 'predictors.{method}.{key}': unknown model(s) "
                                   f"{', '.join(unknown)} (models: {', '.join(cfg['models'])})")
+    ahead = cfg["predictors"]["lookahead"]["methods"]
+    if set(ahead) - set(cfg["predictors"]["methods"]):
+        raise ConfigError(f"invalid config key 'predictors.lookahead.methods': "
+                          f"{', '.join(m for m in ahead if m not in cfg['predictors']['methods'])} not in "
+                          f"predictors.methods (a look-ahead method's d = 1 is its Table 1 predictor)")
     dm = cfg["predictors"].get("draft_model")
     for name in cfg["models"] if dm and "size" not in dm else ():  # a size rule solves d_model in heads' multiples
         d_model = (dm.get("d_model_per_model") or {}).get(name, dm["d_model"])

@@ -290,6 +290,13 @@ CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
         Column("seed", "int", lo=0, default="0"), Column("M", "int", lo=1),
         Column("expert_recall", "float", lo=0.0, hi=1.0), Column("n_tokens", "int", lo=0, lo_open=True),
     ),
+    # results/recall/lookahead.csv (beyond the paper): recall's rows per look-ahead distance d (layer l predicts
+    # layer l+d; d = 1 is the paper's, the same values as recall.csv)
+    "lookahead": (
+        Column("model"), Column("workload"), Column("method", allowed=METHODS), Column("seed", "int", lo=0),
+        Column("lookahead", "int", lo=1), Column("M", "int", lo=1),
+        Column("expert_recall", "float", lo=0.0, hi=1.0), Column("n_tokens", "int", lo=0, lo_open=True),
+    ),
     "per_layer": (
         Column("model"), Column("workload"), Column("method", allowed=METHODS),
         Column("seed", "int", lo=0, default="0"), Column("M", "int", lo=1), Column("layer", "int", lo=0),
@@ -343,9 +350,6 @@ CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
         Column("model"), Column("workload"), Column("tokens", allowed=REALISM_TOKEN_TYPES), Column("M", "int", lo=1),
         Column("n_tokens", "int", lo=0, lo_open=True), Column("fate_recall", "float", lo=0.0, hi=1.0),
         Column("input_cosine", "float", lo=-1.0, hi=1.0), Column("load_entropy", "float", lo=0.0, hi=1.0),
-        # FATE looking d layers ahead (the gate of layer l+d on x^l; d = 1 is fate_recall); empty where the model has
-        # no such pair, and in files from before the look-ahead was measured
-        *(Column(f"fate_recall_d{d}", "float", lo=0.0, hi=1.0, nullable=True, default="") for d in (2, 3)),
     ),
     # results/predictors/predictor_cost.csv (predictors.cost): per model and live method, the trainable parameters
     # and the prediction time per layer pair as a ratio of one MoE layer's compute (mean over rounds, bootstrap CI)
@@ -360,6 +364,7 @@ CSV_CONTRACTS: dict[str, tuple[Column, ...]] = {
 # Column names in file order (the writers' headers); runs.csv has more columns than its contract checks.
 RECALL_COLUMNS = [c.name for c in CSV_CONTRACTS["recall"]]
 PER_LAYER_COLUMNS = [c.name for c in CSV_CONTRACTS["per_layer"]]
+LOOKAHEAD_COLUMNS = [c.name for c in CSV_CONTRACTS["lookahead"]]
 PARAM_COLUMNS = [c.name for c in CSV_CONTRACTS["params"]]
 REALISM_COLUMNS = [c.name for c in CSV_CONTRACTS["realism"]]
 BUDGET_CURVE_COLUMNS = [c.name for c in CSV_CONTRACTS["budget_curve"]]

@@ -232,11 +232,17 @@ class Pipeline:
         d = self.model_dir(model)
         return shell_args("--model-dir", d) if d else ""
 
-    def predictor_args(self, model: str, methods: Iterable[str], every_seed: bool = False) -> str:
-        """``--predictor METHOD=DIR ...`` for the CLI (quoted shell words): seed 0 of each method, or with
-        ``every_seed`` each of its seeds (evaluate_recall)."""
-        pairs = (self.seeded_predictor_dirs(model, methods) if every_seed
-                 else [(m, self.predictor_dir(model, m)) for m in methods])
+    def predictor_args(self, model: str, methods: Iterable[str], every_seed: bool = False,
+                       lookahead: bool = False) -> str:
+        """``--predictor METHOD=DIR ...`` for the CLI (quoted shell words): seed 0 of each method, with
+        ``every_seed`` each of its seeds (evaluate_recall), with ``lookahead`` every seed and look-ahead distance of
+        the look-ahead methods (``methods`` unused: evaluate_lookahead)."""
+        if lookahead:
+            pairs = self.lookahead_predictor_dirs(model)
+        elif every_seed:
+            pairs = self.seeded_predictor_dirs(model, methods)
+        else:
+            pairs = [(m, self.predictor_dir(model, m)) for m in methods]
         return shell_args(*[w for m, d in pairs for w in ("--predictor", f"{m}={d}")])
 
     @staticmethod
@@ -287,6 +293,9 @@ class Pipeline:
     # runtime, Table 3 and a single-seed profile use), seed k >= 1 of a learned method beside it in
     # <method>.seed<k>; the rule's {seed_tag} wildcard is "" or ".seed<k>".
     SEED_TAG = r"(\.seed[1-9][0-9]*)?"
+    # Look-ahead (predictors.lookahead, beyond the paper): a predictor of distance d >= 2 lives in
+    # <method>.d<d>[.seed<k>] beside the paper's next-layer one; the {ahead_tag} wildcard is "" (d = 1) or ".d<d>".
+    AHEAD_TAG = r"(\.d([2-9]|[1-9][0-9]+))?"
 
     @property
     def seeds(self) -> int:
@@ -306,10 +315,47 @@ class Pipeline:
         """The seed index of a ``{seed_tag}`` wildcard value ("" is 0, ".seed3" is 3)."""
         return int(tag.removeprefix(".seed")) if tag else 0
 
-    def predictor_dir(self, model: str = "{model}", method: str = "{method}", seed: int | str = 0) -> str:
-        """A saved predictor; ``seed`` an index, or a wildcard pattern such as ``"{seed_tag}"``."""
+    @staticmethod
+    def ahead_tag(d: int) -> str:
+        return "" if int(d) == 1 else f".d{int(d)}"
+
+    @staticmethod
+    def lookahead_of(tag: str) -> int:
+        """The look-ahead distance of an ``{ahead_tag}`` wildcard value ("" is 1, ".d3" is 3)."""
+        return int(tag.removeprefix(".d")) if tag else 1
+
+    def predictor_dir(self, model: str = "{model}", method: str = "{method}", seed: int | str = 0,
+                      ahead: int | str = 1) -> str:
+        """A saved predictor; ``seed`` an index and ``ahead`` a distance, or wildcard patterns such as
+        ``"{seed_tag}"`` and ``"{ahead_tag}"``."""
         tag = seed if isinstance(seed, str) else self.seed_tag(seed)
-        return f"results/predictors/{model}/{method}{tag}"
+        dtag = ahead if isinstance(ahead, str) else self.ahead_tag(ahead)
+        return f"results/predictors/{model}/{method}{dtag}{tag}"
+
+    def lookahead_distances(self, model: str) -> list[int]:
+        """The look-ahead distances d (predictors.lookahead.distances) ``model`` has pairs for (d < its MoE layers),
+        1 always among them (the paper's predictors are the reference)."""
+        from specprefetch.config import n_moe_layers
+
+        n = n_moe_layers(self.cfg["models"][model])
+        return sorted({1, *(d for d in self.cfg["predictors"]["lookahead"]["distances"] if d < n)})
+
+    @property
+    def lookahead_methods(self) -> list[str]:
+        """The methods scored at every look-ahead distance (predictors.lookahead.methods), in methods order."""
+        chosen = set(self.cfg["predictors"]["lookahead"]["methods"])
+        return [m for m in self.methods if m in chosen]
+
+    def lookahead_predictor_dirs(self, model: str) -> list[tuple[str, str]]:
+        """(method, dir) of every look-ahead method, distance and seed of ``model`` (d = 1: the paper's predictors)."""
+        return [(m, self.predictor_dir(model, m, k, d)) for m in self.lookahead_methods
+                for d in self.lookahead_distances(model) for k in self.method_seeds(m)]
+
+    def lookahead_csv(self, model: str = "{model}", workload: str = "{workload}", shard: int | str = "{shard}") -> str:
+        return f"results/recall/lookahead/{model}/{workload}/{shard}.csv"
+
+    def lookahead_csvs(self) -> list[str]:
+        return [self.lookahead_csv(m, w, i) for m in self.models for w in self.workloads for i in range(self.scatter)]
 
     def seeded_predictor_dirs(self, model: str, methods: Iterable[str]) -> list[tuple[str, str]]:
         """(method, dir) of every seed of each method, in method order."""
@@ -317,8 +363,9 @@ class Pipeline:
 
     def train_hash(self, model: str) -> str:
         """What one trained predictor depends on: the predictors section without the seed count (adding a seed
-        trains the new seed only) and the model."""
-        frag = {"predictors": {k: v for k, v in self.cfg["predictors"].items() if k != "seeds"},
+        trains the new seed only) and the look-ahead choice (the job's own distance is in its path) and the
+        model."""
+        frag = {"predictors": {k: v for k, v in self.cfg["predictors"].items() if k not in ("seeds", "lookahead")},
                 "model": self.cfg["models"][model]}
         return config_hash(frag)
 
@@ -445,6 +492,8 @@ class Pipeline:
                             "paper": {"mem_mb": 128000, "runtime": 1440, "gpu": 1}},
         "evaluate_recall": {"cpu": {"mem_mb": 4000, "runtime": 30},
                             "paper": {"mem_mb": 64000, "runtime": 240, "gpu": 1}},
+        "evaluate_lookahead": {"cpu": {"mem_mb": 4000, "runtime": 30},
+                               "paper": {"mem_mb": 64000, "runtime": 240, "gpu": 1}},
         "build_expert_store": {"cpu": {"mem_mb": 2000, "runtime": 20}, "paper": {"mem_mb": 128000, "runtime": 120}},
         "profile_window": {"cpu": {"mem_mb": 4000, "runtime": 30},
                            "paper": {"mem_mb": 128000, "runtime": 120, "gpu": 1}},
@@ -457,6 +506,7 @@ class Pipeline:
         # gathering and rendering: small, the same for every profile (most are localrules)
         "gather_traces": {"cpu": {"mem_mb": 2000, "runtime": 30}, "paper": {"mem_mb": 2000, "runtime": 30}},
         "gather_recall": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
+        "gather_lookahead": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
         "gather_params": {"cpu": {"mem_mb": 1000, "runtime": 5}, "paper": {"mem_mb": 1000, "runtime": 5}},
         "measure_predictor_cost": {"cpu": {"mem_mb": 2000, "runtime": 20}, "paper": {"mem_mb": 16000, "runtime": 60}},
         "measure_realism": {"cpu": {"mem_mb": 2000, "runtime": 10}, "paper": {"mem_mb": 16000, "runtime": 240}},

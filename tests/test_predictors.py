@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 import pytest
@@ -716,3 +717,96 @@ def test_prediction_cost_of_trained_predictors(cfg: dict, corpus: Path, tmp_path
         measure_predictor_cost(cfg, dirs, rounds=1, reps=1)
     with pytest.raises(SpecPrefetchError, match="a second fate"):
         measure_predictor_cost(cfg, [dirs[1], dirs[1]], rounds=2, reps=1)
+
+
+# --------------------------------------------------------------------------------------------- look-ahead
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_predicts_d_layers_ahead(method: str, batch: dict) -> None:
+    """At look-ahead d = 2 (L = 3) a predictor has one pair, (0, 2): FATE applies layer 2's gate to x^0, the oracle
+    and Naive Prefetch read layer 2's routing; learned methods size their per-pair parts by L - d."""
+    dims = PredictorDims(n_layers=3, hidden_size=32, n_experts=16, top_k=4, vocab_size=200, lookahead=2)
+    assert dims.n_pairs == 1 and dims.target(0) == 2
+    p = build_predictor(method, None, dims)
+    if method == "fate":
+        p.set_gates({f"gate.{i}.weight": torch.full((16, 32), float(i)) for i in range(3)})
+        assert float(p.weight[0, 0, 0]) == 2.0
+    out = p(batch)
+    assert len(out) == 1 and out[0].shape == (batch["token_ids"].shape[0], 16)
+    if method == "oracle":
+        torch.testing.assert_close(out[0], batch["logits"][2].float())
+
+
+def test_lookahead_must_leave_a_pair() -> None:
+    with pytest.raises(PredictorError, match="lookahead=3"):
+        PredictorDims(3, 8, 4, 2, lookahead=3)
+    with pytest.raises(PredictorError, match="lookahead=0"):
+        PredictorDims(3, 8, 4, 2, lookahead=0)
+
+
+def test_lookahead_training_and_recall(cfg: dict, corpus: Path, tmp_path: Path) -> None:
+    """SpecPrefetch trained at d = 2 learns layer 2 from x^0 (its KL at d = 2 falls); evaluate_recall --by-lookahead
+    scores it beside the d = 1 predictor on the pairs (l, l+d), FATE at d = 2 by hand; the paper's recall table
+    refuses a look-ahead predictor; a distance with no pair is one line."""
+    import pandas as pd
+
+    from specprefetch.metrics import recall_per_token, select_candidates
+    from specprefetch.predictors.evaluate import evaluate_recall, gather_recall
+
+    reader = TraceReader(corpus)
+    dims = dataclasses_replace(PredictorDims.from_manifest(reader.manifest), lookahead=2)
+    torch.manual_seed(0)
+    init = build_predictor("specprefetch", cfg, dims)
+    meta = train_predictor(cfg, MODEL, "specprefetch", corpus, tmp_path / "sp.d2", lookahead=2)
+    assert meta["dims"]["lookahead"] == 2 and meta["trainable_params"] == init.trainable_params()
+    trained = load_predictor(tmp_path / "sp.d2")
+    with torch.no_grad():
+        batches = list(iter_trace_batches(reader, 10_000))
+        before = sum(float(next_layer_kl(init(b), b["logits"], 2)) for b in batches)
+        after = sum(float(next_layer_kl(trained(b), b["logits"], 2)) for b in batches)
+    assert after < 0.9 * before, (before, after)
+    train_predictor(cfg, MODEL, "specprefetch", corpus, tmp_path / "sp")
+    train_predictor(cfg, MODEL, "fate", corpus, tmp_path / "fate.d2", lookahead=2)
+
+    wl = make_trace(tmp_path / "gsm8k", workload="gsm8k", n_samples=8, seed=5)
+    pairs = [("specprefetch", tmp_path / "sp"), ("specprefetch", tmp_path / "sp.d2"), ("fate", tmp_path / "fate.d2")]
+    df = evaluate_recall(cfg, MODEL, "gsm8k", wl, pairs, tmp_path / "ahead.csv", by_lookahead=True)
+    assert set(zip(df["method"], df["lookahead"])) == {("specprefetch", 1), ("specprefetch", 2), ("fate", 2)}
+    assert not (tmp_path / "ahead_per_layer.csv").exists()
+    # FATE at d = 2 by hand: layer 2's gate (of the corpus trace it was built from) on x^0, top-K by softmax,
+    # against layer 2's executed experts
+    wr = TraceReader(wl)
+    gate2 = reader.gate_weights()[2].float()
+    hits = n = 0.0
+    for b in iter_trace_batches(wr, 10_000):
+        cand = select_candidates(F.softmax(F.linear(b["x"][0].float(), gate2), dim=-1), 4)
+        hits += float(recall_per_token(b["topk"][2], cand).sum())
+        n += b["token_ids"].shape[0]
+    k = cfg["models"][MODEL]["top_k"]
+    got = df[(df["method"] == "fate") & (df["M"] == k)]["expert_recall"].item()
+    assert got == pytest.approx(hits / n, abs=1e-6)
+    # d = 1 rows are the paper's recall of the same predictor
+    plain = evaluate_recall(cfg, MODEL, "gsm8k", wl, pairs[:1], tmp_path / "plain.csv")
+    one = df[(df["method"] == "specprefetch") & (df["lookahead"] == 1)].reset_index(drop=True)
+    assert one["expert_recall"].tolist() == pytest.approx(plain["expert_recall"].tolist())
+    gathered = gather_recall([tmp_path / "ahead.csv"], tmp_path / "lookahead.csv", by_lookahead=True)
+    pd.testing.assert_frame_equal(gathered.sort_values(list(gathered.columns)).reset_index(drop=True),
+                                  pd.read_csv(tmp_path / "lookahead.csv").sort_values(list(gathered.columns))
+                                  .reset_index(drop=True), check_dtype=False)
+    with pytest.raises(SpecPrefetchError, match="specprefetch/d2 .*more than one layer ahead"):
+        evaluate_recall(cfg, MODEL, "gsm8k", wl, pairs[:2], tmp_path / "bad.csv")
+    assert not (tmp_path / "bad.csv").exists()
+    with pytest.raises(SpecPrefetchError, match="lookahead=3"):
+        train_predictor(cfg, MODEL, "fate", corpus, tmp_path / "fate.d3", lookahead=3)
+    assert not (tmp_path / "fate.d3").exists()
+
+
+def test_runtime_refuses_a_lookahead_predictor() -> None:
+    """The runtime prefetches one layer ahead: a predictor of another distance is one line, not a silent misuse."""
+    from specprefetch.runtime.core.priority import PredictorPriority
+
+    dims = PredictorDims(n_layers=3, hidden_size=32, n_experts=16, top_k=4, lookahead=2)
+    with pytest.raises(SpecPrefetchError, match="predicts 2 layers ahead"):
+        PredictorPriority(build_predictor("specprefetch", None, dims))
+    PredictorPriority(build_predictor("specprefetch", None, DIMS))

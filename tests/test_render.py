@@ -183,9 +183,21 @@ def _realism_rows(cfg: dict) -> pd.DataFrame:
             kinds = ("all", "text", "image") if wc["category"] == "VLM" else ("all", "text")
             rows += [{"model": m, "workload": w, "tokens": t, "M": mc["top_k"], "n_tokens": 100 + k,
                       "fate_recall": 0.6 + 0.05 * i + 0.02 * j + 0.01 * k, "input_cosine": 0.9 - 0.01 * k,
-                      "load_entropy": 0.95 - 0.1 * k,
-                      "fate_recall_d2": 0.5 + 0.05 * i + 0.02 * j, "fate_recall_d3": 0.42 + 0.05 * i + 0.02 * j}
+                      "load_entropy": 0.95 - 0.1 * k}
                      for k, t in enumerate(kinds)]
+    return pd.DataFrame(rows)
+
+
+def _lookahead_rows(cfg: dict) -> pd.DataFrame:
+    """lookahead.csv: SpecPrefetch (two seeds) and FATE at d = 1, 2, 3 on every model and workload, recall falling
+    with d (SpecPrefetch seed k: +0.01 k)."""
+    rows = []
+    for i, (m, mc) in enumerate(cfg["models"].items()):
+        for j, w in enumerate(cfg["workloads"]):
+            for method, seeds, base in (("specprefetch", (0, 1), 0.8), ("fate", (0,), 0.7)):
+                rows += [{"model": m, "workload": w, "method": method, "seed": s, "lookahead": d, "M": mc["top_k"],
+                          "expert_recall": base - 0.1 * (d - 1) + 0.02 * i + 0.01 * j + 0.01 * s, "n_tokens": 100}
+                         for s in seeds for d in (1, 2, 3)]
     return pd.DataFrame(rows)
 
 
@@ -205,7 +217,7 @@ def write_fixture_results(root: Path, cfg: dict) -> dict[str, Path]:
     window, events = _window_rows()
     frames = {"recall": recall, "per_layer": per_layer, "params": _params_rows(cfg), "runs": _runs_rows(),
               "window": window, "window_events": events, "latency": _latency_rows(), "realism": _realism_rows(cfg),
-              "host": _host_rows(), "predictor_cost": _cost_rows(cfg)}
+              "host": _host_rows(), "predictor_cost": _cost_rows(cfg), "lookahead": _lookahead_rows(cfg)}
     from specprefetch.render.data import DEFAULT_PATHS
 
     paths = {}
@@ -686,12 +698,22 @@ def test_cli_render_tables_and_missing_input(tmp_path: Path, results: dict[str, 
     assert not (tmp_path / "table4_overhead.tex").exists()
 
 
-def test_lookahead_figure_reads_the_realism_columns(rendered: Path, cfg: dict) -> None:
-    """FATE looking d = 1, 2, 3 layers ahead per model and workload (all tokens), from the realism CSV."""
+def test_lookahead_figure_per_model_workload_and_method(rendered: Path, cfg: dict) -> None:
+    """R@K at d = 1, 2, 3 per model, workload and method (seed mean with its t-interval; one seed: no interval),
+    and the mean over workloads."""
     doc = read_table_doc(rendered / "figures" / "fig_lookahead.json").by_id()
+    models, workloads = list(cfg["models"]), list(cfg["workloads"])
+    i, j = models.index("tiny-qwen3-vl-moe"), workloads.index("gsm8k")
     qwen, gsm = cfg["models"]["tiny-qwen3-vl-moe"]["display_name"], cfg["workloads"]["gsm8k"]["display_name"]
-    assert [doc[f"{qwen}/{gsm}/d{d}"].value for d in (1, 2, 3)] == pytest.approx([60.0, 50.0, 42.0])
-    assert doc[f"{qwen}/{gsm}/d2"].keys["d"] == 2 and (rendered / "figures" / "fig_lookahead.png").exists()
+    sp = [doc[f"{qwen}/{gsm}/SpecPrefetch/d{d}"] for d in (1, 2, 3)]
+    assert [c.value for c in sp] == pytest.approx([100 * (0.805 - 0.1 * (d - 1) + 0.02 * i + 0.01 * j)
+                                                   for d in (1, 2, 3)])
+    assert all(c.has_ci and c.n == 2 and c.lo < c.value < c.hi for c in sp)
+    fate = doc[f"{qwen}/{gsm}/FATE/d3"]
+    assert fate.value == pytest.approx(100 * (0.5 + 0.02 * i + 0.01 * j)) and not fate.has_ci
+    mean_j = sum(range(len(workloads))) / len(workloads)
+    assert doc[f"{qwen}/Mean/FATE/d1"].value == pytest.approx(100 * (0.7 + 0.02 * i + 0.01 * mean_j))
+    assert doc[f"{qwen}/{gsm}/FATE/d2"].keys["d"] == 2 and (rendered / "figures" / "fig_lookahead.png").exists()
 
 
 def test_pareto_figure_sets_recall_against_size_cost_and_runtime(rendered: Path, cfg: dict,

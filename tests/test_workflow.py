@@ -31,9 +31,11 @@ def job_counts(output: str) -> dict[str, int]:
 # where the whole set is read (the corpus for training, the simulator's workloads), 2 x 8 predictors (the 4 learned
 # ones once per seed: seeds(n) jobs per model), recall per
 # shard, the stand-in realism over every workload's shards, runtime benchmarks per device model, 6 tables (Table 0: the
-# realism), 7 figures (the look-ahead one beyond the paper); the PDF only where pdflatex is installed.
+# realism), 8 figures (look-ahead and Pareto beyond the paper), the look-ahead recall per shard; the PDF only where
+# pdflatex is installed.
 COMMON = {"prepare_workload": 5, "prepare_corpus": 1, "check_disjoint": 1,
           "train_predictor": 16, "gather_recall": 1, "gather_params": 1, "measure_predictor_cost": 1,
+          "gather_lookahead": 1,
           "measure_realism": 1,
           "render_table": 6, "render_figure": 8, "collect_device_benchmarks": 1, "compare_with_paper": 1,
           "write_preview": 1, "archive_results": 1, "write_numbers": 1, "paper_tables": 1,
@@ -42,12 +44,13 @@ COMMON = {"prepare_workload": 5, "prepare_corpus": 1, "check_disjoint": 1,
 
 def traces(scatter: int, gathered: int, corpus: bool = True) -> dict[str, int]:
     return {"extract_traces": (12 if corpus else 10) * scatter, "evaluate_recall": 10 * scatter,
-            "gather_traces": gathered}
+            "evaluate_lookahead": 10 * scatter, "gather_traces": gathered}
 
 
-def seeds(n: int) -> dict[str, int]:
-    """train_predictor jobs with predictors.seeds = n: 2 models x (4 learned methods x n seeds + 4 training-free)."""
-    return {"train_predictor": 2 * (4 * n + 4)}
+def seeds(n: int, ahead: int) -> dict[str, int]:
+    """train_predictor jobs with predictors.seeds = n: 2 models x (4 learned methods x n seeds + 4 training-free),
+    plus SpecPrefetch's n seeds and FATE at each of the ``ahead`` (model, distance >= 2) pairs the models have."""
+    return {"train_predictor": 2 * (4 * n + 4) + ahead * (n + 1)}
 
 
 DEVICE_RULES = ("build_expert_store", "profile_window", "bench_runtime", "simulate_device", "validate_simulator",
@@ -61,11 +64,13 @@ def variants(n: int) -> dict[str, int]:
 
 EXPECTED = {
     # simulator: gsm8k, chartqa; variants: the DeepSeek stand-in's (the Qwen stand-in runs main only)
-    "config/config.yaml": {**COMMON, **STAND_INS, **traces(1, 2 + 2 * 2), **seeds(3), **variants(2 + 2)},
-    "config/smoke.yaml": {**COMMON, **STAND_INS, **traces(2, 2 + 2 * 1), **seeds(2), **variants(2 + 4)},
+    # look-ahead d = 2, 3 on both models; in the smoke profile only Qwen's 3 MoE layers have a pair at d = 2
+    "config/config.yaml": {**COMMON, **STAND_INS, **traces(1, 2 + 2 * 2), **seeds(3, 4), **variants(2 + 2)},
+    "config/smoke.yaml": {**COMMON, **STAND_INS, **traces(2, 2 + 2 * 1), **seeds(2, 1), **variants(2 + 4)},
     # hub checkpoints: no tokenizer, no stand-in pretraining; predictors train online (no corpus traces);
     # the runtime benchmarks DeepSeek-VL2-Tiny only (4-bit experts, as the paper)
-    "config/paper.yaml": {**COMMON, **traces(8, 1, corpus=False), **{r: 1 for r in DEVICE_RULES}, **variants(1 + 2)},
+    "config/paper.yaml": {**COMMON, **traces(8, 1, corpus=False), **seeds(1, 4), **{r: 1 for r in DEVICE_RULES},
+                          **variants(1 + 2)},
 }
 
 

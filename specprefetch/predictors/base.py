@@ -2,8 +2,9 @@
 
 A predictor sees a *batch* in the trace contract's layout (``x``/``logits``/``topk`` lists over MoE
 layer ordinals plus the per-token tensors ``token_ids``, ``sample_index``, ``position``, ...) and returns,
-for every adjacent MoE pair ``l -> l+1`` (``l = 0..L-2``), scores over the ``n`` experts of layer ``l+1``
-computed only from what is available at layer ``l`` (the oracle, an upper bound, is the one exception).
+for every MoE pair ``l -> l+d`` (``l = 0..L-1-d``; ``d = dims.lookahead``, 1 in the paper: the adjacent pairs),
+scores over the ``n`` experts of layer ``l+d`` computed only from what is available at layer ``l`` (the oracle, an
+upper bound, is the one exception). ``dims.target(l)`` is pair ``l``'s target layer.
 
 - ``forward(batch)`` returns the pre-softmax logits the KL objective (§3.4) is applied to;
 - ``priorities(batch, "token")`` returns per-token expert priorities (π̂ for the learned methods), and
@@ -57,7 +58,8 @@ class PredictorDims:
     """Shapes a predictor is built for: L MoE layers, hidden size D, n routed experts, top-K.
 
     ``vocab_size`` is only used by token-id based predictors (the draft model); ``scoring`` and ``arch``
-    tell FATE how the native router turns logits into routing scores.
+    tell FATE how the native router turns logits into routing scores. ``lookahead`` is the distance d of the pairs
+    (layer l predicts layer l+d; the paper's d = 1, more is beyond the paper).
     """
 
     n_layers: int
@@ -67,10 +69,15 @@ class PredictorDims:
     vocab_size: int | None = None
     scoring: str = "softmax"
     arch: str = ""
+    lookahead: int = 1
 
     def __post_init__(self) -> None:
         if self.n_layers < 2:
             raise PredictorError(f"next-layer prediction needs >= 2 MoE layers, got n_layers={self.n_layers}")
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) \
+                or not 1 <= self.lookahead < self.n_layers:
+            raise PredictorError(f"invalid predictor dims: lookahead={self.lookahead!r} (an integer d with "
+                                 f"1 <= d < n_layers={self.n_layers}: layer l predicts layer l+d)")
         for name in ("hidden_size", "n_experts", "top_k"):
             if getattr(self, name) < 1:
                 raise PredictorError(f"invalid predictor dims: {name}={getattr(self, name)}")
@@ -79,7 +86,12 @@ class PredictorDims:
 
     @property
     def n_pairs(self) -> int:
-        return self.n_layers - 1
+        """The (l, l+d) pairs predicted: L - d."""
+        return self.n_layers - self.lookahead
+
+    def target(self, pair: int) -> int:
+        """The MoE ordinal pair ``pair`` predicts: l + d."""
+        return pair + self.lookahead
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PredictorDims:
@@ -246,7 +258,7 @@ class Predictor(nn.Module):
         return [F.softmax(z.float(), dim=-1) for z in self.forward(batch)]
 
     def priorities(self, batch: Batch, aggregate: Aggregate = "token") -> list[Tensor]:
-        """Expert priorities for layers 1..L-1: [T, n] per token, or [n] summed over the batch (§3.2)."""
+        """Expert priorities for layers d..L-1: [T, n] per token, or [n] summed over the batch (§3.2)."""
         scores = self.token_scores(batch)
         if aggregate == "token":
             return scores

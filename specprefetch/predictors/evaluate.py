@@ -6,6 +6,10 @@ per-layer file); ``gather_recall`` joins the CSVs of every (model, workload) and
 
 Seeds: a learned method may be given once per seed index (``predictors.seeds``; each predictor's meta.json says
 which); the trace is read once for all of them and every row carries its ``seed`` (training-free methods: 0).
+
+Look-ahead (beyond the paper): a predictor of distance d (``dims.lookahead``) is scored on the pairs (l, l+d);
+``by_lookahead`` writes the ``lookahead`` contract instead (a ``lookahead`` column, a method once per seed and
+distance, no per-layer file): ``results/recall/lookahead.csv``, ``fig_lookahead``'s data.
 """
 
 from __future__ import annotations
@@ -20,7 +24,14 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from specprefetch.contracts import PARAM_COLUMNS, PER_LAYER_COLUMNS, RECALL_COLUMNS, check_csv, read_doc
+from specprefetch.contracts import (
+    LOOKAHEAD_COLUMNS,
+    PARAM_COLUMNS,
+    PER_LAYER_COLUMNS,
+    RECALL_COLUMNS,
+    check_csv,
+    read_doc,
+)
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance, sha256_file, write_json_atomic
 from specprefetch.metrics import aggregate_by_sample, recall_per_token, select_candidates
 from specprefetch.predictors.base import Predictor, load_predictor, read_meta
@@ -76,7 +87,7 @@ def _open_eval_trace(trace_dir: Path, model_name: str, workload: str) -> Any:
     return reader
 
 
-PredictorKey = tuple[str, int]  # (method, seed index)
+PredictorKey = tuple[str, int, int]  # (method, seed index, look-ahead distance)
 
 
 def predictor_pairs(predictor_dirs: Mapping[str, Path] | Sequence[tuple[str, Path]]) -> list[tuple[str, Path]]:
@@ -95,8 +106,9 @@ def seed_of(meta: Mapping[str, Any], where: Path) -> int:
 def _load_predictors(predictor_dirs: Sequence[tuple[str, Path]], model_name: str, reader: Any,
                      device: torch.device) -> tuple[dict[PredictorKey, Predictor], dict[str, Any]]:
     """Load every predictor onto ``device`` after checking it is the method it is given as and fits the model and
-    the trace, keyed by (method, seed index); return them with what the provenance records of each (directory,
-    weights digest, config hash), keyed ``method`` (seed 0) or ``method/seed<k>``."""
+    the trace, keyed by (method, seed index, look-ahead); return them with what the provenance records of each
+    (directory, weights digest, config hash), keyed ``method`` (seed 0, look-ahead 1), ``method/seed<k>`` and/or
+    ``method/d<d>``."""
     preds: dict[PredictorKey, Predictor] = {}
     metas: dict[str, Any] = {}
     for method, pdir in predictor_dirs:
@@ -105,24 +117,25 @@ def _load_predictors(predictor_dirs: Sequence[tuple[str, Path]], model_name: str
         if meta["method"] != method:
             raise SpecPrefetchError(f"{where}: holds a {meta['method']!r} predictor, given as {method!r}")
         _check_predictor(meta, Path(pdir), model_name, reader)
-        key = (method, seed_of(meta, where))
+        pred = load_predictor(pdir, map_location=device)
+        key = (method, seed_of(meta, where), pred.dims.lookahead)
         if key in preds:
-            raise SpecPrefetchError(f"{where}: {method} seed {key[1]} given twice")
-        preds[key] = load_predictor(pdir, map_location=device)
-        name = method if key[1] == 0 else f"{method}/seed{key[1]}"
+            raise SpecPrefetchError(f"{where}: {method} seed {key[1]} look-ahead {key[2]} given twice")
+        preds[key] = pred
+        name = "/".join([method] + [f"seed{key[1]}"] * (key[1] != 0) + [f"d{key[2]}"] * (key[2] != 1))
         metas[name] = {"dir": str(pdir), "sha256": meta["weights"]["sha256"], "config_hash": meta.get("config_hash")}
     return preds, metas
 
 
 def _count_hits(preds: Mapping[PredictorKey, Predictor], reader: Any, budgets: list[int], mode: CandidateMode,
                 batch_tokens: int, device: torch.device, desc: str) -> tuple[dict[PredictorKey, Tensor], int]:
-    """One pass over the trace: per method, the summed per-token recall of each budget and target layer
-    (``[len(budgets), L-1]``, float64), and the number of tokens. Candidates are drawn once at the largest budget;
+    """One pass over the trace: per predictor, the summed per-token recall of each budget and pair
+    (``[len(budgets), L-d]``, float64), and the number of tokens. Candidates are drawn once at the largest budget;
     a smaller budget is their prefix."""
     from specprefetch.predictors.data import batch_to, iter_trace_batches
 
     m_max = max(budgets)
-    hits = {m: torch.zeros(len(budgets), reader.n_layers - 1, dtype=torch.float64) for m in preds}
+    hits = {k: torch.zeros(len(budgets), p.dims.n_pairs, dtype=torch.float64) for k, p in preds.items()}
     n_tokens = 0
     with torch.no_grad():
         for batch in tqdm(iter_trace_batches(reader, batch_tokens), desc=desc, disable=None):
@@ -131,25 +144,27 @@ def _count_hits(preds: Mapping[PredictorKey, Predictor], reader: Any, budgets: l
             for method, pred in preds.items():
                 cands = candidate_sets(pred, batch, m_max, mode)
                 for l, c in enumerate(cands):
-                    true = batch["topk"][l + 1]
+                    true = batch["topk"][pred.dims.target(l)]
                     for j, m in enumerate(budgets):
                         hits[method][j, l] += float(recall_per_token(true, c[:, :m]).sum())
     return hits, n_tokens
 
 
 def _recall_tables(hits: Mapping[PredictorKey, Tensor], n_tokens: int, budgets: list[int], model_name: str,
-                   workload: str) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The recall table (per method, seed and budget: the mean over target layers) and the per-layer table
-    (``layer`` = target MoE ordinal l+1) from the summed hits: ExpertRecall is a mean over tokens."""
+                   workload: str, by_lookahead: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The recall table (per method, seed, look-ahead and budget: the mean over target layers; the ``recall``
+    contract's columns, or the ``lookahead`` contract's with ``by_lookahead``) and the per-layer table (``layer`` =
+    target MoE ordinal l+d) from the summed hits: ExpertRecall is a mean over tokens."""
     rows, layer_rows = [], []
-    for (method, seed), h in hits.items():
+    for (method, seed, d), h in hits.items():
         for j, m in enumerate(budgets):
             per_layer = h[j] / n_tokens
-            rows.append({"model": model_name, "workload": workload, "method": method, "seed": seed, "M": m,
-                         "expert_recall": float(per_layer.mean()), "n_tokens": n_tokens})
+            rows.append({"model": model_name, "workload": workload, "method": method, "seed": seed, "lookahead": d,
+                         "M": m, "expert_recall": float(per_layer.mean()), "n_tokens": n_tokens})
             layer_rows += [{"model": model_name, "workload": workload, "method": method, "seed": seed, "M": m,
-                            "layer": l + 1, "expert_recall": float(v)} for l, v in enumerate(per_layer.tolist())]
-    return pd.DataFrame(rows, columns=RECALL_COLUMNS), pd.DataFrame(layer_rows, columns=PER_LAYER_COLUMNS)
+                            "layer": l + d, "expert_recall": float(v)} for l, v in enumerate(per_layer.tolist())]
+    columns = LOOKAHEAD_COLUMNS if by_lookahead else RECALL_COLUMNS
+    return pd.DataFrame(rows, columns=columns), pd.DataFrame(layer_rows, columns=PER_LAYER_COLUMNS)
 
 
 def evaluate_recall(
@@ -161,13 +176,16 @@ def evaluate_recall(
     out_csv: Path,
     candidates: CandidateMode | None = None,
     batch_tokens: int = 8192,
+    by_lookahead: bool = False,
 ) -> pd.DataFrame:
     """ExpertRecall@M of every predictor on one workload trace, for every budget of ``budgets_for``.
 
     Writes ``out_csv`` (model, workload, method, seed, M, expert_recall, n_tokens) and ``<stem>_per_layer.csv``
     (model, workload, method, seed, M, layer, expert_recall; ``layer`` = target MoE ordinal l+1), both atomically,
     plus ``<stem>.provenance.json``. ``predictor_dirs``: ``{method: dir}``, or ``(method, dir)`` pairs with a
-    learned method once per seed index. Returns the overall table.
+    learned method once per seed index. ``by_lookahead``: predictors of several look-ahead distances, the
+    ``lookahead`` contract's rows (a ``lookahead`` column) and no per-layer file; otherwise every predictor must
+    predict one layer ahead (the paper's Tables 1-3). Returns the overall table.
     """
     from specprefetch.config import budgets_for
 
@@ -180,15 +198,21 @@ def evaluate_recall(
         raise SpecPrefetchError(f"recall budget M={max(budgets)} > n_experts={reader.n_experts} of trace {trace_dir}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     preds, metas = _load_predictors(predictor_pairs(predictor_dirs), model_name, reader, device)
+    ahead = sorted(f"{m}/d{d}" for m, _, d in preds if d != 1)
+    if ahead and not by_lookahead:
+        raise SpecPrefetchError(f"evaluate_recall: {', '.join(ahead)} predict(s) more than one layer ahead; Tables "
+                                "1-3 score the paper's next-layer predictors (look-ahead: evaluate-recall "
+                                "--by-lookahead)")
     hits, n_tokens = _count_hits(preds, reader, budgets, mode, batch_tokens, device,
                                  desc=f"recall {model_name}/{workload}")
     if n_tokens == 0:
         raise SpecPrefetchError(f"trace {trace_dir} has no tokens")
 
-    df, per_layer_df = _recall_tables(hits, n_tokens, budgets, model_name, workload)
+    df, per_layer_df = _recall_tables(hits, n_tokens, budgets, model_name, workload, by_lookahead)
     out_csv = Path(out_csv)
     _write_csv(df, out_csv)
-    _write_csv(per_layer_df, per_layer_path(out_csv))
+    if not by_lookahead:
+        _write_csv(per_layer_df, per_layer_path(out_csv))
     write_json_atomic(out_csv.with_name(out_csv.stem + ".provenance.json"), {
         "model": model_name, "workload": workload, "candidates": mode, "budgets": budgets, "n_tokens": n_tokens,
         "trace": {"dir": str(trace_dir), "manifest_sha256": sha256_file(Path(trace_dir) / "manifest.json")},
@@ -197,7 +221,8 @@ def evaluate_recall(
         "provenance": provenance({"recall": dict(cfg["recall"]), "model": dict(cfg["models"][model_name])}),
     })
     log.info("recall %s/%s: %d tokens, %s", model_name, workload, n_tokens,
-             ", ".join(f"{r.method}{f'/seed{r.seed}' if r.seed else ''}@{r.M}={r.expert_recall:.3f}"
+             ", ".join(f"{r.method}{f'/seed{r.seed}' if r.seed else ''}"
+                       f"{f'/d{r.lookahead}' if by_lookahead else ''}@{r.M}={r.expert_recall:.3f}"
                        for r in df.itertuples()))
     return df
 
@@ -233,16 +258,17 @@ def _token_weighted(frames: list[pd.DataFrame], key: list[str]) -> pd.DataFrame:
     return out
 
 
-def gather_recall(csvs: Iterable[Path], out: Path) -> pd.DataFrame:
+def gather_recall(csvs: Iterable[Path], out: Path, by_lookahead: bool = False) -> pd.DataFrame:
     """Concatenate per-(model, workload) recall CSVs into one table (and their per-layer files when all
     inputs have one). The CSVs of the scatter shards of one trace set (their provenance names shard i of N) are
     joined token-weighted, and must be shards 0..N-1 exactly; any other (model, workload, method, seed, M) key
-    present twice is an error."""
+    present twice is an error. ``by_lookahead``: the ``lookahead`` contract's CSVs, keyed by the distance too."""
     csvs = [Path(c) for c in csvs]
     if not csvs:
         raise SpecPrefetchError("gather_recall: no input CSVs")
-    key = ["model", "workload", "method", "seed", "M"]
-    frames = [check_csv(c, "recall")[RECALL_COLUMNS] for c in csvs]
+    contract, columns = ("lookahead", LOOKAHEAD_COLUMNS) if by_lookahead else ("recall", RECALL_COLUMNS)
+    key = ["model", "workload", "method", "seed", *(["lookahead"] if by_lookahead else []), "M"]
+    frames = [check_csv(c, contract)[columns] for c in csvs]
     for c, f in zip(csvs, frames, strict=True):
         f["_w"] = f["n_tokens"].astype(float)
         f["_shard"], f["_count"] = _scatter_of(c)
@@ -254,10 +280,10 @@ def gather_recall(csvs: Iterable[Path], out: Path) -> pd.DataFrame:
                                     f"inputs (only the scatter shards 0..N-1 of one trace set may repeat a key)")
     df = _token_weighted(frames, key)
     df["n_tokens"] = df["_w"].round().astype(int)
-    df = df[RECALL_COLUMNS].sort_values(key, kind="stable").reset_index(drop=True)
+    df = df[columns].sort_values(key, kind="stable").reset_index(drop=True)
     _write_csv(df, Path(out))
     layer_files = [per_layer_path(c) for c in csvs]
-    if all(path.is_file() for path in layer_files):
+    if not by_lookahead and all(path.is_file() for path in layer_files):
         layer_frames = []
         for f, path in zip(frames, layer_files, strict=True):
             lf = check_csv(path, "per_layer")[PER_LAYER_COLUMNS]

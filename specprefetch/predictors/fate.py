@@ -1,4 +1,5 @@
-"""FATE (Fang et al. 2025b), training-free: apply layer l+1's native gate to layer l's router input.
+"""FATE (Fang et al. 2025b), training-free: apply layer l+1's native gate to layer l's router input (at look-ahead
+d, layer l+d's gate: ``dims.lookahead``).
 
 Adjacent router inputs are close (residual stream), so ``W^{l+1} x^l`` approximates the next layer's
 router logits before ``x^{l+1}`` exists. The gates come from the trace's ``routers.safetensors`` and
@@ -34,24 +35,25 @@ class FatePredictor(Predictor):
         self.register_buffer("correction_bias", torch.zeros(p, n))
 
     def set_gates(self, routers: Mapping[str, Tensor]) -> None:
-        """Load gates 1..L-1 from ``gate.{i}.weight`` (+ ``.bias`` / ``.e_score_correction_bias``)."""
+        """Load gates d..L-1 from ``gate.{i}.weight`` (+ ``.bias`` / ``.e_score_correction_bias``)."""
         for l in range(self.dims.n_pairs):
-            key = f"gate.{l + 1}.weight"
+            i = self.dims.target(l)
+            key = f"gate.{i}.weight"
             w = routers.get(key)
             if w is None or tuple(w.shape) != tuple(self.weight.shape[1:]):
                 got = None if w is None else tuple(w.shape)
                 raise PredictorError(f"fate: router {key} has shape {got}, expected {tuple(self.weight.shape[1:])}")
             self.weight[l].copy_(w.float())
-            if f"gate.{l + 1}.bias" in routers:
-                self.bias[l].copy_(routers[f"gate.{l + 1}.bias"].float())
-            if f"gate.{l + 1}.e_score_correction_bias" in routers:
-                self.correction_bias[l].copy_(routers[f"gate.{l + 1}.e_score_correction_bias"].float())
+            if f"gate.{i}.bias" in routers:
+                self.bias[l].copy_(routers[f"gate.{i}.bias"].float())
+            if f"gate.{i}.e_score_correction_bias" in routers:
+                self.correction_bias[l].copy_(routers[f"gate.{i}.e_score_correction_bias"].float())
 
     def fit_statistics(self, reader: Any) -> None:
         self.set_gates(reader.routers())
 
     def forward(self, batch: Batch) -> list[Tensor]:
-        """Router logits W^{l+1} x^l (+ b^{l+1}) in float32, like the native router computes them."""
+        """Router logits W^{l+d} x^l (+ b^{l+d}) in float32, like the native router computes them."""
         self.check_batch(batch)
         return [F.linear(batch["x"][l].float(), self.weight[l], self.bias[l]) for l in range(self.dims.n_pairs)]
 

@@ -39,7 +39,7 @@ class FrequencyPredictor(Predictor):
         counts = torch.zeros_like(self.counts)
         for b in batches:
             for l in range(self.dims.n_pairs):
-                idx = b["topk"][l + 1].long().flatten().cpu()
+                idx = b["topk"][self.dims.target(l)].long().flatten().cpu()
                 counts[l] += torch.bincount(idx, minlength=self.dims.n_experts).to(counts)
         if float(counts.sum()) == 0:
             raise PredictorError(f"frequency: {where} has no tokens to count")

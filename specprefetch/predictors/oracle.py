@@ -27,12 +27,12 @@ class OraclePredictor(Predictor):
     def forward(self, batch: Batch) -> list[Tensor]:
         """The target layer's true router logits (the KL of the oracle is 0)."""
         self.check_batch(batch)
-        return [batch["logits"][l + 1].float() for l in range(self.dims.n_pairs)]
+        return [batch["logits"][self.dims.target(l)].float() for l in range(self.dims.n_pairs)]
 
     def token_scores(self, batch: Batch) -> list[Tensor]:
         out = []
         for l in range(self.dims.n_pairs):
-            probs = F.softmax(batch["logits"][l + 1].double(), dim=-1)
-            hot = multi_hot(batch["topk"][l + 1], self.dims.n_experts, dtype=torch.float64)
+            probs = F.softmax(batch["logits"][self.dims.target(l)].double(), dim=-1)
+            hot = multi_hot(batch["topk"][self.dims.target(l)], self.dims.n_experts, dtype=torch.float64)
             out.append(hot * (1.0 + TIE_BREAK * probs))
         return out

@@ -31,7 +31,7 @@ class PreviousTokenPredictor(Predictor):
         n = self.dims.n_experts
         out = []
         for l in range(self.dims.n_pairs):
-            hot = multi_hot(batch["topk"][l + 1], n)
+            hot = multi_hot(batch["topk"][self.dims.target(l)], n)
             prev = torch.zeros_like(hot)
             prev[1:] = hot[:-1]
             out.append(prev * has_prev[:, None].to(prev.dtype))

@@ -46,14 +46,16 @@ SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with
 # --------------------------------------------------------------------------------------------- objective
 
 
-def next_layer_kl(preds: Sequence[Tensor], logits: Sequence[Tensor]) -> Tensor:
-    """Mean over layer pairs of the token-mean KL(π^{l+1} ‖ π̂^{l+1}); ``logits`` are all L layers' router
-    logits (the target of pair l is layer l+1), ``preds`` the L−1 predictions. Computed in float32."""
-    if len(preds) != len(logits) - 1:
-        raise SpecPrefetchError(f"KL loss: {len(preds)} predictions for {len(logits)} layers (need L-1)")
+def next_layer_kl(preds: Sequence[Tensor], logits: Sequence[Tensor], lookahead: int = 1) -> Tensor:
+    """Mean over layer pairs of the token-mean KL(π^{l+d} ‖ π̂^{l+d}); ``logits`` are all L layers' router
+    logits (the target of pair l is layer l+d, d = ``lookahead``: 1 in the paper), ``preds`` the L−d predictions.
+    Computed in float32."""
+    if len(preds) != len(logits) - lookahead:
+        raise SpecPrefetchError(f"KL loss: {len(preds)} predictions for {len(logits)} layers at look-ahead "
+                                f"{lookahead} (need L-{lookahead})")
     terms = []
     for l, z in enumerate(preds):
-        target = F.log_softmax(logits[l + 1].detach().float(), dim=-1)
+        target = F.log_softmax(logits[l + lookahead].detach().float(), dim=-1)
         terms.append(F.kl_div(F.log_softmax(z.float(), dim=-1), target, log_target=True, reduction="batchmean"))
     return torch.stack(terms).mean()
 
@@ -248,7 +250,7 @@ def _make_trainer(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mappin
             if lr_log is not None and self.optimizer is not None:
                 lr_log.append(float(self.optimizer.param_groups[0]["lr"]))  # the rate this step's update uses
             preds = model(inputs)
-            loss = next_layer_kl(preds, inputs["logits"])
+            loss = next_layer_kl(preds, inputs["logits"], predictor.dims.lookahead)
             loss_log.append(float(loss.detach().float()))
             return (loss, preds) if return_outputs else loss
 
@@ -526,14 +528,15 @@ def _training_data(cfg: Mapping[str, Any], model_name: str, method: str, learned
 
 
 def _new_predictor(cfg: Mapping[str, Any], model_name: str, method: str, data: _TrainingData,
-                   model_dir: Path | None) -> tuple[Predictor, dict[str, Any]]:
-    """A freshly initialised predictor for the data's shapes (its weights come from the run's seed), and the record
-    of its size rule (empty without one: ``predictors.<method>.size``, resolved at these shapes).
+                   model_dir: Path | None, lookahead: int = 1) -> tuple[Predictor, dict[str, Any]]:
+    """A freshly initialised predictor for the data's shapes at look-ahead ``lookahead`` (its weights come from the
+    run's seed), and the record of its size rule (empty without one: ``predictors.<method>.size``, resolved at these
+    shapes).
 
     The draft model also needs a vocabulary that holds every token id it will see, and starts from the frozen
     model's input embeddings (projected to its width): from ``model_dir``, else from the loaded model online.
     """
-    dims = data.dims
+    dims = dataclasses.replace(data.dims, lookahead=lookahead)
     table = None
     if method == "draft_model":
         from specprefetch.predictors.draft_model import find_input_embeddings
@@ -623,13 +626,15 @@ def train_predictor(
     model_dir: Path | None = None,
     corpus_dir: Path | None = None,
     seed_index: int = 0,
+    lookahead: int = 1,
 ) -> dict[str, Any]:
     """Train/fit ``method`` for ``model_name`` and save it to ``out_dir`` (atomically); return its meta.
 
     ``train_traces``: the corpus trace directory (the data of ``source: traces``; with ``source: online`` it
     may be None, then gates / expert counts come from the model). ``model_dir``: the frozen model (draft-model
     embedding init; required online). ``corpus_dir``: the corpus workload directory (required online).
-    ``seed_index``: which of the ``predictors.seeds`` runs this is (:func:`seeded_config`).
+    ``seed_index``: which of the ``predictors.seeds`` runs this is (:func:`seeded_config`). ``lookahead``: the
+    distance d of its pairs (layer l predicts layer l+d; the paper's 1).
     """
     if method not in METHODS:
         raise SpecPrefetchError(f"unknown predictor method {method!r}; known: {', '.join(METHODS)}")
@@ -646,7 +651,7 @@ def train_predictor(
     learned = predictor_class(method).learned
     ds_path = deepspeed_config_path(tcfg, warn=False) if learned else None  # fails now if deepspeed is missing
     data = _training_data(cfg, model_name, method, learned, train_traces, model_dir, corpus_dir)
-    predictor, size_rule = _new_predictor(cfg, model_name, method, data, model_dir)
+    predictor, size_rule = _new_predictor(cfg, model_name, method, data, model_dir, lookahead)
     run: dict[str, Any] = {"source": "online" if data.online else "traces"}
     if learned:
         precision = resolve_precision(tcfg["precision"])

@@ -712,44 +712,65 @@ def figure_recall_per_layer(per_layer: pd.DataFrame, cfg: Mapping[str, Any],
     return FigureResult(fig, doc)
 
 
-def figure_lookahead(realism: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "realism.csv") -> FigureResult:
-    """FATE's ExpertRecall@K looking d = 1, 2, 3 MoE layers ahead (the gate of layer l+d on x^l), per workload, one
-    panel per model, all tokens: how much of the routing's predictability a longer prefetch window gives up, from the
-    model's side (a training-free predictor: beyond the paper, which predicts one layer ahead)."""
-    from specprefetch.traces.realism import LOOKAHEAD
-
-    rows = realism[realism["tokens"] == "all"]
-    models = [m for m in cfg["models"] if m in set(rows["model"])]
+def figure_lookahead(lookahead: pd.DataFrame, cfg: Mapping[str, Any],
+                     path: Path | str = "lookahead.csv") -> FigureResult:
+    """ExpertRecall@K predicting the experts d MoE layers ahead (layer l predicts layer l+d; d = 1 is the paper's
+    next-layer prediction, Table 1's values), per model (rows) and workload (columns, then their unweighted mean),
+    one line per method with the t-interval over training seeds: how much predictability a longer prefetch window
+    gives up, and whether a learned adapter holds it better than the next layers' gates (beyond the paper)."""
+    models = [m for m in cfg["models"] if m in set(lookahead["model"])]
     if not models:
         raise RenderInputError(f"{path}: no rows for any configured model ({', '.join(cfg['models'])}) "
                                "(column 'model')")
-    cols = {1: "fate_recall", **{d: f"fate_recall_d{d}" for d in LOOKAHEAD}}
+    workloads = [w for w in cfg["workloads"] if w in set(lookahead["workload"])]
+    columns = [*workloads, None]  # None: the mean over workloads
+    methods = [m for m in METHOD_ORDER if m in set(lookahead["method"])]
     cells = []
     with _theme():
-        fig, axes = plt.subplots(1, len(models), figsize=(COLUMN_WIDTH_IN * (1.0 if len(models) == 1 else 1.5), 2.1),
-                                 sharey=True, squeeze=False)
-        for ax, m in zip(axes[0], models, strict=True):
-            sub = rows[rows["model"] == m]
-            for i, r in enumerate(sub.itertuples()):
-                ds = [d for d, c in cols.items() if pd.notna(getattr(r, c))]
-                vals = [float(getattr(r, cols[d])) * 100.0 for d in ds]
-                wl = cfg["workloads"].get(r.workload)
-                name = str(wl["display_name"]) if wl else str(r.workload)
-                ax.plot(ds, vals, marker="o", markersize=3, linewidth=1.1, color=sns.color_palette("deep")[i % 10],
-                        label=name)
-                cells += [Cell(id=f"{model_display(cfg, m)}/{name}/d{d}", quantity="recall", value=v,
-                               keys={"model": model_display(cfg, m), "workload": name, "d": d, "M": int(r.M)})
-                          for d, v in zip(ds, vals, strict=True)]
-            ax.set_title(_display(cfg, m), loc="left")
-            ax.set_xticks(list(cols))
-            ax.set_xlabel("Look-ahead $d$ (MoE layers)")
-        axes[0, 0].set_ylabel("FATE R@$K$ (%)")
-        handles, labels = axes[0, 0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="upper center", ncol=min(5, len(labels)), frameon=False,
-                   bbox_to_anchor=(0.5, 1.0), columnspacing=0.8, handlelength=1.5)
-        fig.tight_layout(rect=(0, 0, 1, 0.84))
-    doc = TableDoc("fig_lookahead", "FATE ExpertRecall@K vs look-ahead distance", cfg["profile"], cells,
-                   meta={"note": _caption_note(cfg), "lookahead": list(cols)})
+        fig, axes = plt.subplots(len(models), len(columns), squeeze=False, sharex=True, sharey="row",
+                                 figsize=(TEXT_WIDTH_IN, 0.75 + 1.55 * len(models)))
+        for i, m in enumerate(models):
+            k = int(cfg["models"][m]["top_k"])
+            sub = lookahead[(lookahead["model"] == m) & (lookahead["M"] == k)]
+            if sub.empty:
+                raise RenderInputError(f"{path}: no rows with model={m!r}, M={k} (column 'M'; the native budget K)")
+            for ax, w in zip(axes[i], columns, strict=True):
+                part = sub if w is None else sub[sub["workload"] == w]
+                wname = "Mean" if w is None else str(cfg["workloads"][w]["display_name"])
+                for meth in methods:
+                    pts = []
+                    for d, g in part[part["method"] == meth].groupby("lookahead", sort=True):
+                        per_seed = {int(s): float(gs["expert_recall"].mean()) * 100.0 for s, gs in g.groupby("seed")}
+                        f = seed_fields(per_seed)
+                        pts.append((int(d), f))
+                        cells.append(Cell(id=f"{model_display(cfg, m)}/{wname}/{method_label(meth)}/d{d}",
+                                          quantity="recall", keys={"model": model_display(cfg, m), "workload": wname,
+                                                                   "method": method_label(meth), "d": int(d), "M": k},
+                                          **f))
+                    if not pts:
+                        continue
+                    ds, ys = [d for d, _ in pts], [f["value"] for _, f in pts]
+                    err = [[f["value"] - f.get("lo", f["value"]) for _, f in pts],
+                           [f.get("hi", f["value"]) - f["value"] for _, f in pts]]
+                    lw = 1.6 if meth == "specprefetch" else 1.0
+                    ax.errorbar(ds, ys, yerr=err, color=color(meth), marker="o", markersize=2.8, linewidth=lw,
+                                elinewidth=0.7, capsize=1.5, label=method_label(meth),
+                                zorder=3 if meth == "specprefetch" else 2)
+                ax.set_title(wname if i == 0 else "", loc="left")
+                ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+                if i == len(models) - 1:
+                    ax.set_xlabel("Look-ahead $d$")
+            axes[i, 0].set_ylabel(f"{_display(cfg, m)}\nR@{k} (%)")
+        handles: dict[str, Any] = {}
+        for ax in axes.flat:
+            for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+                handles.setdefault(lab, h)
+        fig.legend(list(handles.values()), list(handles.keys()), loc="upper center", ncol=min(7, len(handles)),
+                   frameon=False, bbox_to_anchor=(0.5, 1.0), columnspacing=0.9, handlelength=1.6)
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
+    doc = TableDoc("fig_lookahead", "ExpertRecall@K vs look-ahead distance", cfg["profile"], cells,
+                   meta={"note": _caption_note(cfg), "lookahead": sorted(int(d) for d in set(lookahead["lookahead"])),
+                         "ci": "95 % t-interval over training seeds"})
     return FigureResult(fig, doc)
 
 
@@ -969,9 +990,12 @@ FIGURES: dict[str, FigureSpec] = {
                                        _from_csv("per_layer", figure_recall_per_layer),
                                        "ExpertRecall@$K$ per target layer for every predictor, mean over "
                                        "workloads.", "Per-layer recall (not in the paper)"),
-    "fig_lookahead": FigureSpec("fig_lookahead", ("realism",), _from_csv("realism", figure_lookahead),
-                                "FATE ExpertRecall@$K$ predicting the experts $d$ MoE layers ahead (the gate of layer "
-                                "$l+d$ on $x^l$), per workload, all tokens.", "Look-ahead (beyond the paper)"),
+    "fig_lookahead": FigureSpec("fig_lookahead", ("lookahead",), _from_csv("lookahead", figure_lookahead),
+                                "ExpertRecall@$K$ predicting the experts $d$ MoE layers ahead (layer $l$ predicts "
+                                "layer $l+d$: SpecPrefetch's adapters and the learned baselines trained per distance, "
+                                "FATE applying layer $l+d$'s gate to $x^l$; $d=1$ is Table~1), per workload and their "
+                                "mean (error bars: 95\\,\\% t-interval over training seeds).",
+                                "Look-ahead (beyond the paper)"),
     "fig_pareto": FigureSpec("fig_pareto", ("recall", "params", "predictor_cost"), _build_pareto,
                              "What a predictor buys for what it costs: (a) ExpertRecall@$K$ (mean over workloads; "
                              "95\\,\\% t-interval over training seeds) against trainable parameters, (b) against "

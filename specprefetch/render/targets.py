@@ -24,6 +24,7 @@ RESULT_PATHS: dict[str, str] = {
     "budget_curve": "results/device/budget_curve.csv",
     "realism": "results/realism/realism.csv",
     "predictor_cost": "results/predictors/predictor_cost.csv",
+    "lookahead": "results/recall/lookahead.csv",
 }
 TABLE_INPUTS: dict[str, tuple[str, ...]] = {
     "table0_realism": ("realism",),
@@ -40,7 +41,7 @@ FIGURE_INPUTS: dict[str, tuple[str, ...]] = {
     "fig5_storage": ("runs", "budget_curve"),
     "fig6_component": ("runs",),
     "fig_recall_per_layer": ("per_layer",),
-    "fig_lookahead": ("realism",),
+    "fig_lookahead": ("lookahead",),
     "fig_pareto": ("recall", "params", "predictor_cost", "runs"),
 }
 TABLE_NAMES = list(TABLE_INPUTS)

@@ -14,10 +14,11 @@ def _cmd_train(args: argparse.Namespace) -> None:
 
     cfg = load_args_config(args)
     meta = train_predictor(cfg, args.model, args.method, args.traces, args.out, model_dir=args.model_dir,
-                           corpus_dir=args.corpus, seed_index=args.seed_index)
+                           corpus_dir=args.corpus, seed_index=args.seed_index, lookahead=args.lookahead)
     loss = meta.get("final_loss")
-    print(f"{args.method} (seed {args.seed_index}) for {args.model}: {meta['trainable_params']} trainable params, "
-          f"final loss {loss if loss is None else f'{loss:.4f}'}, {meta['wall_time_s']:.1f}s -> {args.out}")
+    ahead = f", look-ahead {args.lookahead}" if args.lookahead != 1 else ""
+    print(f"{args.method} (seed {args.seed_index}{ahead}) for {args.model}: {meta['trainable_params']} trainable "
+          f"params, final loss {loss if loss is None else f'{loss:.4f}'}, {meta['wall_time_s']:.1f}s -> {args.out}")
 
 
 def predictor_pairs(values: list[str]) -> list[tuple[str, Path]]:
@@ -38,14 +39,14 @@ def _cmd_evaluate(args: argparse.Namespace) -> None:
 
     cfg = load_args_config(args)
     df = evaluate_recall(cfg, args.model, args.workload, args.traces, predictor_pairs(args.predictor),
-                         args.out, candidates=args.candidates)
+                         args.out, candidates=args.candidates, by_lookahead=args.by_lookahead)
     print(df.to_string(index=False))
 
 
 def _cmd_gather_recall(args: argparse.Namespace) -> None:
     from specprefetch.predictors.evaluate import gather_recall
 
-    df = gather_recall(args.inputs, args.out)
+    df = gather_recall(args.inputs, args.out, by_lookahead=args.by_lookahead)
     print(f"{len(df)} rows -> {args.out}")
 
 
@@ -73,6 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--corpus", type=Path, default=None, help="corpus workload directory (source: online)")
     p.add_argument("--seed-index", type=int, default=0,
                    help="which of the predictors.seeds runs (trains with predictors.training.seed + index)")
+    p.add_argument("--lookahead", type=int, default=1,
+                   help="predict layer l+d from layer l (the paper's d = 1; more is beyond the paper)")
     p.add_argument("--out", required=True, type=Path, help="output predictor directory")
     p.set_defaults(func=_cmd_train)
 
@@ -84,10 +87,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a saved predictor; a learned method once per seed")
     p.add_argument("--candidates", choices=("token", "batch"), default=None,
                    help="override recall.candidates from the config")
+    p.add_argument("--by-lookahead", action="store_true",
+                   help="predictors of several look-ahead distances: the lookahead contract (no per-layer file)")
     p.add_argument("--out", required=True, type=Path, help="output CSV (a _per_layer.csv is written beside it)")
     p.set_defaults(func=_cmd_evaluate)
 
     p = sub.add_parser("gather-recall", help="concatenate recall CSVs")
+    p.add_argument("--by-lookahead", action="store_true", help="the look-ahead CSVs (evaluate-recall --by-lookahead)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("inputs", nargs="+", type=Path)
     p.set_defaults(func=_cmd_gather_recall)

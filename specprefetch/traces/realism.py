@@ -10,10 +10,6 @@ models before any learned predictor enters. Two model properties explain that nu
 - ``load_entropy``: the entropy of the executed expert load (each expert's share of the top-K slots) of a layer,
   normalised by ``log(n_experts)`` (1 = perfectly balanced, 0 = one expert takes every slot), averaged over layers.
 
-``fate_recall_d2``, ``fate_recall_d3``: FATE looking d layers ahead -- the gate of layer ``l+d`` on ``x^l``, against
-layer ``l+d``'s executed experts, averaged over the L-d pairs (how much predictability a longer prefetch window would
-give up, from the model side; d = 1 is ``fate_recall``).
-
 Each is measured over all tokens and split by token type (the traces' ``is_image`` flag: image tokens vs the rest).
 FATE's candidates are scored exactly like the FATE predictor scores them (``predictors.fate``: the next layer's gate
 on this layer's router input, softmax or sigmoid + correction bias, top-M with ties to the lower id), so the ``all``
@@ -50,7 +46,6 @@ class _Sums:
     n_experts: int
     n_tokens: int = 0
     fate_hits: float = 0.0
-    ahead_hits: dict[int, float] = field(default_factory=dict)  # d -> summed per-token FATE recall d layers ahead
     cosine: float = 0.0
     load: Tensor = field(init=False)
 
@@ -60,8 +55,6 @@ class _Sums:
     def add(self, other: _Sums) -> None:
         self.n_tokens += other.n_tokens
         self.fate_hits += other.fate_hits
-        for d, v in other.ahead_hits.items():
-            self.ahead_hits[d] = self.ahead_hits.get(d, 0.0) + v
         self.cosine += other.cosine
         self.load += other.load
 
@@ -85,9 +78,6 @@ def _hit_share(topk: Tensor, cand: Tensor) -> Tensor:
     """[T] |executed ∩ candidates| / K (the per-token ExpertRecall)."""
     hit = (topk.long().unsqueeze(-1) == cand.unsqueeze(1)).any(dim=-1)
     return hit.sum(dim=-1).double() / topk.shape[1]
-
-
-LOOKAHEAD = (2, 3)  # FATE's look-ahead distances besides 1 (the realism CSV's fate_recall_d<d>)
 
 
 class RealismMeter:
@@ -147,29 +137,25 @@ class RealismMeter:
         cos = torch.zeros(n, dtype=torch.float64)
         for l in range(pairs):
             x, x_next = t[f"x.{l}"].float(), t[f"x.{l + 1}"].float()
-            hits += self._fate_hits(t, x, l, 1)
+            hits += self._fate_hits(t, x, l)
             cos += F.cosine_similarity(x, x_next, dim=-1, eps=1e-12).double()
-        for d in LOOKAHEAD:
-            if self.n_layers - d >= 1:
-                ahead = sum(self._fate_hits(t, t[f"x.{l}"].float(), l, d) for l in range(self.n_layers - d))
-                out.ahead_hits[d] = float(ahead.sum()) / (self.n_layers - d)
         for l in range(self.n_layers):
             out.load[l] += torch.bincount(t[f"topk.{l}"].long().flatten(), minlength=self.n_experts).double()
         out.fate_hits = float(hits.sum()) / pairs
         out.cosine = float(cos.sum()) / pairs
         return out
 
-    def _fate_hits(self, t: dict[str, Tensor], x: Tensor, layer: int, d: int) -> Tensor:
-        """[T] FATE's per-token recall of layer ``layer + d``'s experts from ``x`` = x^layer (scored as the FATE
+    def _fate_hits(self, t: dict[str, Tensor], x: Tensor, layer: int) -> Tensor:
+        """[T] FATE's per-token recall of layer ``layer + 1``'s experts from ``x`` = x^layer (scored as the FATE
         predictor scores: that layer's gate, softmax, or sigmoid + correction bias)."""
         assert self._gates is not None
-        w, b, c = self._gates[layer + d - 1]
+        w, b, c = self._gates[layer]
         logits = F.linear(x, w, b)
         if self.scoring == "sigmoid":  # DeepSeek-V3 style: selection adds the correction bias
             scores = torch.sigmoid(logits) + (c if c is not None else 0.0)
         else:
             scores = F.softmax(logits, dim=-1)
-        return _hit_share(t[f"topk.{layer + d}"], _top_m(scores, self.top_k))
+        return _hit_share(t[f"topk.{layer + 1}"], _top_m(scores, self.top_k))
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per token type with tokens (``all``, then ``text``/``image``): the REALISM_COLUMNS."""
@@ -182,9 +168,7 @@ class RealismMeter:
                 continue
             out.append({"model": self.model, "workload": self.workload, "tokens": kind, "M": self.top_k,
                         "n_tokens": s.n_tokens, "fate_recall": s.fate_hits / s.n_tokens,
-                        "input_cosine": s.cosine / s.n_tokens, "load_entropy": normalised_entropy(s.load),
-                        **{f"fate_recall_d{d}": s.ahead_hits[d] / s.n_tokens if d in s.ahead_hits else float("nan")
-                           for d in LOOKAHEAD}})
+                        "input_cosine": s.cosine / s.n_tokens, "load_entropy": normalised_entropy(s.load)})
         if not out:
             raise SpecPrefetchError(f"realism: trace set {self.model}/{self.workload} has no tokens")
         return out

@@ -60,8 +60,11 @@ class PredictorPriority(PriorityProvider):
     """
 
     def __init__(self, predictor: Any, device: torch.device | str = "cpu") -> None:
-        self.pred = predictor.to(device).eval()
         self.name = str(getattr(predictor, "method", type(predictor).__name__))
+        if int(getattr(predictor.dims, "lookahead", 1)) != 1:
+            raise SpecPrefetchError(f"{self.name} predictor predicts {predictor.dims.lookahead} layers ahead; the "
+                                    "runtime prefetches one layer ahead (a look-ahead predictor is for recall only)")
+        self.pred = predictor.to(device).eval()
         self.empty_when_zero = bool(getattr(predictor, "empty_when_zero", False))
         self.n_pairs = int(predictor.dims.n_pairs)
         self.sigmoid = getattr(predictor.dims, "scoring", "softmax") == "sigmoid"
