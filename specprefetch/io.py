@@ -130,6 +130,27 @@ def _git_commit() -> str | None:
         return None
 
 
+def cpu_identity() -> dict[str, str]:
+    """The CPU a result was computed on: its model name and the vector instruction set torch's kernels use (results
+    that pass through training are reproducible bit for bit on one CPU, not across CPUs: docs/tables.md)."""
+    model = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    out = {"model": model or "unknown"}
+    try:
+        import torch
+
+        out["torch_capability"] = str(torch.backends.cpu.get_cpu_capability())
+    except (ImportError, AttributeError):
+        pass
+    return out
+
+
 def provenance(config_fragment: Any = None, seed: int | None = None, **extra: Any) -> dict[str, Any]:
     """What produced a result: code version, library versions, config hash, seed, host and time."""
     import importlib.metadata as md
@@ -147,6 +168,7 @@ def provenance(config_fragment: Any = None, seed: int | None = None, **extra: An
         "git_commit": _git_commit(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "cpu": cpu_identity(),
         "versions": versions,
         "created_unix": round(time.time(), 3),
     }

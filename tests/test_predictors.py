@@ -760,6 +760,7 @@ def test_lookahead_training_and_recall(cfg: dict, corpus: Path, tmp_path: Path) 
     init = build_predictor("specprefetch", cfg, dims)
     meta = train_predictor(cfg, MODEL, "specprefetch", corpus, tmp_path / "sp.d2", lookahead=2)
     assert meta["dims"]["lookahead"] == 2 and meta["trainable_params"] == init.trainable_params()
+    assert meta["provenance"]["cpu"]["model"] and meta["provenance"]["cpu"]["torch_capability"]  # where it was made
     trained = load_predictor(tmp_path / "sp.d2")
     with torch.no_grad():
         batches = list(iter_trace_batches(reader, 10_000))
