@@ -106,7 +106,7 @@ def test_evaluate_and_gather_carry_the_seed(cfg: dict, corpus: Path, tmp_path: P
     assert list(out.columns[:4]) == ["model", "workload", "method", "seed"]
     pd.testing.assert_frame_equal(out.reset_index(drop=True), pd.read_csv(tmp_path / "recall.csv"),
                                   check_dtype=False)
-    with pytest.raises(SpecPrefetchError, match="specprefetch seed 1 given twice"):
+    with pytest.raises(SpecPrefetchError, match="specprefetch seed 1 look-ahead 1 given twice"):
         evaluate_recall(cfg, MODEL, "gsm8k", trace, [*pairs, ("specprefetch", tmp_path / "s1")],
                         tmp_path / "r2" / "0.csv")
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from specprefetch.workflow import Pipeline
+
 ROOT = Path(__file__).resolve().parent.parent
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 # Debian puts the daemons in /usr/sbin, which a non-login root shell may not have on PATH.
@@ -349,8 +351,9 @@ def test_slurm_profile_runs_rules_through_sbatch(local_slurm: LocalSlurm, tmp_pa
           f"forced rerun (1 sbatch job) {rerun_s:.1f} s")
 
 
-GPU_RULES = {"extract_traces", "train_predictor", "evaluate_recall", "profile_window", "bench_runtime",
-             "evaluate_offloaded", "pretrain_stand_in"}
+# The rules that ask for a GPU under the paper profile (Pipeline's own table, so a new GPU rule cannot be left out of
+# the profile), and pretrain_stand_in, which the profile sends to a GPU for the stand-in configs.
+GPU_RULES = {rule for rule, kinds in Pipeline._RESOURCES.items() if kinds["paper"].get("gpu")} | {"pretrain_stand_in"}
 
 
 def test_slurm_profile_resources_on_the_paper_dag(tmp_path: Path) -> None:
