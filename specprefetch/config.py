@@ -64,6 +64,18 @@ def device_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         if st not in d["storages"] and st != d["reference_storage"]:
             raise ConfigError(f"invalid config key 'device.sweep_storages': {st!r} is not one of device.storages "
                               "(a storage is swept at its own profiled budget)")
+    ahead = d["lookahead"]
+    for st in ahead["storages"]:
+        if st not in d["storages"] and st not in (d["reference_storage"], d["slow_storage"]):
+            raise ConfigError(f"invalid config key 'device.lookahead.storages': {st!r} is not one of device.storages "
+                              "(each storage prefetches d layers ahead at its own profiled window)")
+    if any("lookahead" in exps for exps in [d["experiments"], *d["model_experiments"].values()]):
+        trained = cfg["predictors"].get("lookahead") or {}
+        missing = [dd for dd in ahead["distances"] if dd != 1 and dd not in (trained.get("distances") or [])]
+        if missing or (set(ahead["distances"]) - {1} and "specprefetch" not in (trained.get("methods") or [])):
+            raise ConfigError("invalid config key 'device.lookahead.distances': the lookahead experiment runs "
+                              f"SpecPrefetch at d = {ahead['distances']}, but predictors.lookahead does not train "
+                              f"specprefetch at d = {missing or sorted(set(ahead['distances']) - {1})}")
     for name, v in d["variants"].items():
         if all(v.get(k, d[k]) == d[k] for k in ("emulation", "io_order")):
             raise ConfigError(f"invalid config key 'device.variants.{name}': it measures what the default does "

@@ -317,7 +317,9 @@ class Pipeline:
 
     @staticmethod
     def ahead_tag(d: int) -> str:
-        return "" if int(d) == 1 else f".d{int(d)}"
+        from specprefetch.predictors.base import ahead_tag
+
+        return ahead_tag(d)
 
     @staticmethod
     def lookahead_of(tag: str) -> int:
@@ -425,12 +427,27 @@ class Pipeline:
         FATE, then plugins that declare a runtime policy) that the profile trains."""
         return [m for m in registry.runtime_providers() if m in self.methods]
 
+    def device_lookahead_dirs(self, model: str) -> list[tuple[str, str]]:
+        """(name, dir) of the SpecPrefetch predictors the lookahead experiment prefetches with beyond d = 1 (seed 0;
+        ``specprefetch.d2``...), where ``model`` runs that experiment; none otherwise."""
+        from specprefetch.predictors.base import ahead_name
+        from specprefetch.runtime.core.settings import experiments_for
+
+        if "lookahead" not in experiments_for(self.device, model):
+            return []
+        return [(ahead_name("specprefetch", d), self.predictor_dir(model, "specprefetch", 0, d))
+                for d in self.device["lookahead"]["distances"] if d != 1]
+
     def device_predictor_dirs(self, model: str) -> list[str]:
-        return [self.predictor_dir(model, m) for m in self.device_predictors]
+        return [self.predictor_dir(model, m) for m in self.device_predictors] + \
+            [d for _, d in self.device_lookahead_dirs(model)]
 
     def device_predictor_args(self, model: str) -> str:
-        """``--predictor METHOD=DIR ...`` of the runtime's predictors (quoted shell words)."""
-        return self.predictor_args(model, self.device_predictors)
+        """``--predictor NAME=DIR ...`` of the runtime's predictors (quoted shell words), the look-ahead ones
+        named by their distance (``specprefetch.d2=...``)."""
+        return " ".join(a for a in (self.predictor_args(model, self.device_predictors),
+                                    shell_args(*[w for n, d in self.device_lookahead_dirs(model)
+                                                 for w in ("--predictor", f"{n}={d}")])) if a)
 
     def store_dir(self, model: str = "{model}") -> str:
         return f"results/device/store/{model}"

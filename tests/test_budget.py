@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from specprefetch.io import SpecPrefetchError
 from specprefetch.runtime.core.budget import (
     BudgetError,
     RunBudget,
@@ -228,6 +229,35 @@ def test_sweep_measures_every_rules_budget() -> None:
     plan = plan_experiments(s, {"nvme_cold": 2, "ufs": 3}, ["sweep"], None, {"nvme_cold": {2, 5}, "ufs": {3, 6}})
     got = {(c.storage, c.m_max) for c in plan["sweep"] if c.policy == "specprefetch"}
     assert got == {("nvme_cold", m) for m in (1, 2, 4, 5, 8)} | {("ufs", m) for m in (1, 2, 3, 4, 6, 8)}
+
+
+def test_lookahead_budgets_sum_the_window_over_d_layers() -> None:
+    """M_max at look-ahead d: the window rule on d windows (auto, window rule), d times the budget otherwise (a
+    configured integer, the simulated rule), at most n_experts; d = 1 is the storage's budget. The lookahead
+    experiment measures OFF and SpecPrefetch at each distance on each of its storages."""
+    from specprefetch.runtime.core.budget import lookahead_budgets
+    from specprefetch.runtime.measurement.bench import plan_experiments
+
+    prof = _profile(n_experts=16, window_ms_median=3.0, transfer_ms_used={"nvme_cold": 1.1, "slow_ufs": 2.5},
+                    m_max_simulated_per_storage={"nvme_cold": 5, "slow_ufs": 2})
+    budgets = {"nvme_cold": 2, "slow_ufs": 1}
+    assert lookahead_budgets(_settings(), prof, budgets, [1, 2, 3]) == {
+        "nvme_cold": {1: 2, 2: 5, 3: 8}, "slow_ufs": {1: 1, 2: 2, 3: 3}}  # floor(6/1.1)=5, floor(9/1.1)=8, ...
+    assert lookahead_budgets(_settings(7), prof, {"nvme_cold": 7}, [1, 3]) == {"nvme_cold": {1: 7, 3: 16}}
+    assert lookahead_budgets(_settings(budget_rule="simulated"), prof, {"slow_ufs": 2}, [2]) == {"slow_ufs": {2: 4}}
+    with pytest.raises(BudgetError, match="no transfer_ms_used for storage ufs"):
+        lookahead_budgets(_settings(), prof, {"ufs": 3}, [2])
+    s = _settings(lookahead={"distances": [1, 2], "storages": ["nvme_cold", "slow_ufs"]})
+    plan = plan_experiments(s, {"nvme_cold": 2, "slow_ufs": 1, "nvme": 7, "ufs": 3}, ["lookahead"],
+                            ahead_m_max=lookahead_budgets(s, prof, budgets, [1, 2]))
+    got = [(c.policy, c.storage, c.budget, c.ahead, c.label) for c in plan["lookahead"]]
+    assert got == [("off", "nvme_cold", 0, 1, "off"), ("specprefetch", "nvme_cold", 2, 1, "specprefetch M=2"),
+                   ("specprefetch", "nvme_cold", 5, 2, "specprefetch M=5 d=2"), ("off", "slow_ufs", 0, 1, "off"),
+                   ("specprefetch", "slow_ufs", 1, 1, "specprefetch M=1"),
+                   ("specprefetch", "slow_ufs", 2, 2, "specprefetch M=2 d=2")]
+    assert len({c.signature for c in plan["lookahead"]}) == 6 and plan["lookahead"][2].key.endswith("|d2")
+    with pytest.raises(SpecPrefetchError, match="experiment 'lookahead' needs the budgets per distance"):
+        plan_experiments(s, budgets, ["lookahead"])
 
 
 def test_simulated_rule_takes_the_fastest_budget() -> None:

@@ -716,6 +716,66 @@ def test_lookahead_figure_per_model_workload_and_method(rendered: Path, cfg: dic
     assert doc[f"{qwen}/{gsm}/FATE/d2"].keys["d"] == 2 and (rendered / "figures" / "fig_lookahead.png").exists()
 
 
+def _lookahead_runs() -> pd.DataFrame:
+    """runs.csv with the runtime's lookahead experiment: per storage OFF and SpecPrefetch at d = 1, 2, 3, each
+    repeat's runs sharing one drift (paired), the budget growing with d."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for storage, off, per_d in (("nvme_cold", 3.75, {1: (4, 1.07), 2: (8, 1.12), 3: (12, 1.09)}),
+                                ("slow_ufs", 2.2, {1: (1, 1.05), 2: (2, 1.10), 3: (3, 1.08)})):
+        for r in range(5):
+            drift = 1.0 + rng.normal(0, 0.04)
+            runs = [("off", 0, 1.0, "", 1)] + [("specprefetch", m, g, 0.8, d) for d, (m, g) in per_d.items()]
+            rows += [{"platform": "cpu-local", "model": "tiny-deepseek-vl2", "experiment": "lookahead", "policy": p,
+                      "storage": storage, "m_max": m, "compute_opt": True, "repeat": r,
+                      "tokens_per_s": round(off * g * drift * (1 + rng.normal(0, 0.01)), 4), "ready_recall": rr,
+                      "n_tokens": 64, "hits": 500, "misses": 80, "prefetched": 400, "wasted": 40, "stall_ms": 120.0,
+                      "source": "measured", "lookahead": d, "bound_tokens_per_s": 6.0}
+                     for p, m, g, rr, d in runs]
+    return pd.concat([_runs_rows(), pd.DataFrame(rows)], ignore_index=True)
+
+
+def _as_read(df: pd.DataFrame, tmp_path: Path, contract: str) -> pd.DataFrame:
+    """``df`` as the renderer reads it: written to CSV and read back through its contract."""
+    from specprefetch.render.data import read_result_csv
+
+    path = tmp_path / f"{contract}.csv"
+    df.to_csv(path, index=False)
+    return read_result_csv(path, contract)
+
+
+def test_lookahead_figure_runtime_row_pairs_each_distance_with_its_off(cfg: dict, tmp_path: Path) -> None:
+    """With runs.csv's lookahead experiment, fig_lookahead's last row: per storage SpecPrefetch's throughput and
+    paired gain vs the block's OFF at each d, the budget per d in the keys and the JSON's meta; without it, no row."""
+    from specprefetch.render.data import RenderInputError
+    from specprefetch.render.figures import figure_lookahead, save_figure
+
+    runs = _as_read(_lookahead_runs(), tmp_path, "runs")
+    res = figure_lookahead(_lookahead_rows(cfg), cfg, "lookahead.csv", runs, "runs.csv")
+    doc = res.doc.by_id()
+    la = runs[runs["experiment"] == "lookahead"].assign(lookahead=lambda d: pd.to_numeric(d["lookahead"]))
+    for storage in ("nvme_cold", "slow_ufs"):
+        part = la[la["storage"] == storage]
+        off = part[part["policy"] == "off"].set_index("repeat")["tokens_per_s"]
+        for d, m in zip((1, 2, 3), (4, 8, 12) if storage == "nvme_cold" else (1, 2, 3), strict=True):
+            spec = part[(part["policy"] == "specprefetch") & (part["lookahead"] == d)].set_index("repeat")
+            gain = doc[f"runtime/{storage}/d{d}/gain"]
+            assert gain.value == pytest.approx(((spec["tokens_per_s"] / off - 1) * 100).mean())
+            assert gain.has_ci and gain.lo < gain.value < gain.hi and gain.keys["m_max"] == m
+            assert doc[f"runtime/{storage}/d{d}/throughput"].value == pytest.approx(spec["tokens_per_s"].mean())
+        assert doc[f"runtime/{storage}/OFF/throughput"].value == pytest.approx(off.mean())
+    assert res.doc.meta["runtime"]["m_max"]["slow_ufs"] == {"1": 1, "2": 2, "3": 3}
+    assert "5 repeats" in res.doc.meta["runtime"]["note"]
+    save_figure(res.fig, tmp_path / "fig_lookahead")
+    assert (tmp_path / "fig_lookahead.png").stat().st_size > 0
+    plain = figure_lookahead(_lookahead_rows(cfg), cfg, "lookahead.csv", _as_read(_runs_rows(), tmp_path, "runs"),
+                             "runs.csv")
+    assert "runtime" not in plain.doc.meta and not any(c.id.startswith("runtime/") for c in plain.doc.cells)
+    lost = runs[~((runs["experiment"] == "lookahead") & (runs["policy"] == "off") & (runs["repeat"] == 2))]
+    with pytest.raises(RenderInputError, match="no reference run .* paired with policy='specprefetch'"):
+        figure_lookahead(_lookahead_rows(cfg), cfg, "lookahead.csv", lost, "runs.csv")
+
+
 def test_pareto_figure_sets_recall_against_size_cost_and_runtime(rendered: Path, cfg: dict,
                                                                  results: dict[str, Path], tmp_path: Path) -> None:
     """fig_pareto: per model and live method R@K (mean over the workloads every method has, then over seeds), its

@@ -77,24 +77,24 @@ def tiny_deepseek_vl2() -> Any:
     return model
 
 
-def random_adapter(spec: Any, seed: int = 0) -> Any:
+def random_adapter(spec: Any, seed: int = 0, lookahead: int = 1) -> Any:
     """A SpecPrefetch adapter with random (non-zero) weights: some ranking, not a trained one."""
     from specprefetch.predictors.base import PredictorDims, build_predictor
 
     torch.manual_seed(seed)
     dims = PredictorDims(n_layers=spec.n_layers, hidden_size=spec.hidden_size, n_experts=spec.n_experts,
-                         top_k=spec.top_k, scoring=spec.scoring, arch=spec.arch)
+                         top_k=spec.top_k, scoring=spec.scoring, arch=spec.arch, lookahead=lookahead)
     pred = build_predictor("specprefetch", {"specprefetch": {"rank": 4}}, dims)
     with torch.no_grad():
         pred.B.normal_()
     return pred
 
 
-def provider_for(policy: str, spec: Any) -> Any:
+def provider_for(policy: str, spec: Any, lookahead: int = 1) -> Any:
     if policy == "naive":
-        return PreviousTokenPriority(spec.n_layers, spec.n_experts)
+        return PreviousTokenPriority(spec.n_layers, spec.n_experts, lookahead)
     if policy == "fate":
-        return PredictorPriority(fate_from_model(spec))
+        return PredictorPriority(fate_from_model(spec, lookahead))
     if policy in ("specprefetch", "pred0"):
         return PredictorPriority(random_adapter(spec))
     return None
@@ -116,14 +116,15 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def run_policy(s: dict[str, Any], policy: str, storage: str = "ram", m_max: int = 4, capacity: int = 0,
                compute_opt: bool = True, faults: FaultInjector | None = None, sync: bool = False,
                io_workers: int = 2, record: bool = False,
-               layer_m_max: tuple[int, ...] = ()) -> tuple[torch.Tensor, OffloadedRuntime]:
+               layer_m_max: tuple[int, ...] = (), lookahead: int = 1) -> tuple[torch.Tensor, OffloadedRuntime]:
     store = s["store"]
     prof = make_profile(storage, _device(emulation="bandwidth"), store.layout.payload_bytes)
     reader = ExpertReader(store, prof, faults=faults, verify=True)
     cap = capacity or 2 * s["spec"].top_k + m_max
     opts = RuntimeOptions(policy=policy, m_max=m_max, capacity=cap, compute_opt=compute_opt, io_workers=io_workers,
-                          sync_prefetch=sync, record_routing=record, layer_m_max=layer_m_max)
-    rt = OffloadedRuntime(s["model"], store, reader, opts, provider_for(policy, s["spec"]), spec=s["spec"])
+                          sync_prefetch=sync, record_routing=record, layer_m_max=layer_m_max, lookahead=lookahead)
+    rt = OffloadedRuntime(s["model"], store, reader, opts, provider_for(policy, s["spec"], lookahead),
+                          spec=s["spec"])
     try:
         rt.install()
         rt.reset_run()
@@ -365,6 +366,44 @@ def test_per_layer_budgets_in_runtime_and_simulator(setup: dict[str, Any], polic
     assert RuntimeOptions(m_max=4).budget_of(2) == 4
 
 
+@pytest.mark.parametrize("policy", ["fate", "naive"])
+def test_lookahead_prefetches_d_layers_ahead_in_runtime_and_simulator(setup: dict[str, Any], policy: str) -> None:
+    """``lookahead = 2`` (beyond the paper): layer l prefetches into layer l+2 only (nothing ever into layers 0 and
+    1, no prediction in the last two layers), the tokens are the plain model's, and the simulator replaying the run
+    with the same look-ahead makes the same decisions. A provider predicting another distance is refused."""
+    from specprefetch.runtime.core.storage import StorageProfile
+    from specprefetch.runtime.simulation.simulator import ComputeProfile, sequences_from_record, simulate
+
+    k, n_layers = setup["spec"].top_k, setup["spec"].n_layers
+    assert n_layers >= 3
+    cap = 2 * k + 3
+    out, rt = run_policy(setup, policy, m_max=3, capacity=cap, sync=True, io_workers=1, record=True, lookahead=2)
+    assert torch.equal(out, setup["ref"])
+    into: dict[int, int] = defaultdict(int)  # prefetches counted at the layer they were issued into
+    for ev in rt.events:
+        into[ev.layer] += ev.prefetch_used + ev.prefetch_wasted + ev.prefetch_cancelled
+        if ev.layer + 2 >= n_layers:
+            assert ev.candidates == [] and ev.issued == [], ev
+    assert into[0] == into[1] == 0
+    # FATE always prefetches something; Naive Prefetch's previous-token experts may all be cached already
+    assert sum(into[layer] for layer in range(2, n_layers)) > 0 or policy == "naive"
+    assert any(ev.scores is not None for ev in rt.events if ev.n_tokens == 1 and ev.layer + 2 < n_layers)
+    seqs = sequences_from_record(routing_rows(rt.events), n_layers)
+    zero = [0.0] * n_layers
+    prof = ComputeProfile(zero, zero, zero, [1e-3] * n_layers, zero, 1e-3)
+    sim = simulate(seqs, policy, 3, cap, setup["spec"].n_experts, k, prof, StorageProfile("ram", "ram"),
+                   io_workers=1, compute_opt=True, sync=True, fixed_transfer_s=0.0, lookahead=2)
+    for name in ("hits", "misses", "prefetched", "wasted", "cancelled"):
+        assert getattr(rt.stats(), name) == getattr(sim.stats, name), name
+    reader = ExpertReader(setup["store"], make_profile("ram", _device(), setup["store"].layout.payload_bytes))
+    with pytest.raises(OffloadError, match="prefetches 1 layer\\(s\\) ahead, but its .* predicts 2"):
+        OffloadedRuntime(setup["model"], setup["store"], reader, RuntimeOptions(policy=policy, m_max=3),
+                         provider_for(policy, setup["spec"], 2), spec=setup["spec"])
+    with pytest.raises(OffloadError, match="lookahead must be an integer >= 1"):
+        RuntimeOptions(policy=policy, lookahead=0)
+    reader.close()
+
+
 def test_run_timing_service_time_is_the_union_of_transfer_intervals() -> None:
     """The simulator's ``run`` inputs: overlapping transfers count their union once (the device's busy time);
     prefill transfers and uncharged ones are left out."""
@@ -496,13 +535,17 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     spec = discover_routing(model)
     store = ExpertStore(build_expert_store(model, tmp_path / "store", spec))
     s = section_defaults("device", {"n_prompts": 1, "max_new_tokens": 5, "repeats": 1, "io_workers": 2,
-                                 "storages": ["nvme_cold", "slow_ufs"], "experiments": ["main", "matched", "component"],
+                                 "storages": ["nvme_cold", "slow_ufs"],
+                                 "experiments": ["main", "matched", "component", "lookahead"],
+                                 "lookahead": {"distances": [1, 2], "storages": ["nvme_cold"]},
                                  "window": {"n_prompts": 1, "demand_m": [2, 4], "transfer_samples": 4},
                                  "cache": {"capacity_experts": 8}, "max_block_runs": 6})
     prompts = [Prompt("p0", {"input_ids": torch.randint(0, VOCAB, (1, 6)), "attention_mask": torch.ones(1, 6).long()})]
     providers = provider_factories({}, spec, "cpu")
     adapter = random_adapter(spec)
     providers["specprefetch"] = lambda: PredictorPriority(adapter)
+    ahead = random_adapter(spec, lookahead=2)
+    providers["specprefetch.d2"] = lambda: PredictorPriority(ahead)
     h = Harness(model, spec, store, s, prompts, providers)
     from specprefetch.runtime.simulation.budget_model import budget_curves
 
@@ -549,7 +592,16 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     assert {r["component"] for r in lat} == {"attention", "router", "expert_load", "moe_compute", "other"}
     with open(tmp_path / "runs.csv") as f:
         got = list(csv.DictReader(f))
-    assert list(got[0])[:17] == RUN_COLUMNS[:17] and len(got) == len(rows) == 6 + 8 + 4
+    assert list(got[0])[:17] == RUN_COLUMNS[:17] and len(got) == len(rows) == 6 + 8 + 4 + 3
+    # the lookahead experiment: OFF and d = 1 are the component block's runs (same configuration), d = 2 its own run,
+    # at the window rule's budget on two windows
+    ahead_rows = {int(r["lookahead"]): r for r in got if r["experiment"] == "lookahead" and r["policy"] != "off"}
+    assert set(ahead_rows) == {1, 2} and all(r["lookahead"] == "1" for r in got if r["experiment"] != "lookahead")
+    assert ahead_rows[1]["measured_in"] == "component" and ahead_rows[2]["measured_in"] == "lookahead"
+    from specprefetch.runtime.core.budget import derive_m_max
+
+    assert int(ahead_rows[2]["m_max"]) == derive_m_max(2 * prof["window_ms_median"],
+                                                       prof["transfer_ms_used"]["nvme_cold"], spec.n_experts)
     assert {r["policy"] for r in got if r["experiment"] == "main"} == set(POLICIES)
     assert {(r["compute_opt"], r["policy"]) for r in got if r["experiment"] == "component"} == {
         ("false", "off"), ("false", "specprefetch"), ("true", "off"), ("true", "specprefetch")}
@@ -574,7 +626,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         ("true", "component", "nvme_cold#2"), ("false", "component", "nvme_cold#2")}
     assert by[("component", "off", "nvme_cold", "true")]["tokens_sha256"] == by[("main", "off", "nvme_cold",
                                                                                  "true")]["tokens_sha256"]
-    assert len({(r["block"], r["run_order"]) for r in got}) == 6 + 4 + 4  # runs: main's, component's, slow_ufs's
+    assert len({(r["block"], r["run_order"]) for r in got}) == 6 + 5 + 4  # runs: main's, component's + d2, slow_ufs's
     from specprefetch.contracts import ROUTING_FORMAT, load_tensor_tree
     from specprefetch.runtime.simulation.simrun import check_routing_record
 
@@ -592,7 +644,8 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     rows_by = {(r["block"], r["policy"], r["compute_opt"]): float(r["tokens_per_s"]) for r in rows}
     for v in speed:
         row = next(r for r in rows if r["policy"] == v["policy"] and r["experiment"] == v["experiment"]
-                   and r["storage"] == v["storage"] and r["compute_opt"] == v["compute_opt"])
+                   and r["storage"] == v["storage"] and r["compute_opt"] == v["compute_opt"]
+                   and int(r["lookahead"]) == int(v["lookahead"]))
         want = float(row["tokens_per_s"]) / rows_by[(row["block"], "off", row["compute_opt"])]
         assert v["measured"] == pytest.approx(want, rel=1e-3) and v["n_repeats"] == 1
     assert all(v == v for e in err.values() for v in (e["tokens_per_s"], e["hits"]))
@@ -735,7 +788,7 @@ def test_blocks_measure_each_configuration_once_per_block() -> None:
         ("nvme_cold#3", ("component",), 4), ("slow_ufs", ("matched", "storage", "budget"), 4),
         ("nvme", ("storage", "budget"), 2), ("ufs", ("storage", "budget"), 2)]
     for b in small:
-        assert ("off", b.storage, 0, True, ()) in {c.signature for c in b.configs}
+        assert ("off", b.storage, 0, True, (), 1) in {c.signature for c in b.configs}
         for exp in b.experiments:  # every configuration of an experiment is in the one block that measures it
             assert {c.signature for c in plan[exp] if c.storage == b.storage} <= {c.signature for c in b.configs}
     assert {(e, b.storage) for b in small for e in b.experiments} == {

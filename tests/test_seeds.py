@@ -312,3 +312,36 @@ def test_pipeline_trains_every_seed_of_learned_methods_only(cfg: dict, tmp_path:
     bad["predictors"]["specprefetch"] = {"rank": 1}
     with pytest.raises(SpecPrefetchError, match=r"predictors\.\w+\.size: "):
         Pipeline(bad, workdir=REPO)
+
+
+def test_pipeline_gives_the_runtime_its_lookahead_predictors(cfg: dict, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model that runs the lookahead experiment gets SpecPrefetch's seed-0 predictor of every distance but 1 among
+    bench_runtime's inputs and --predictor arguments (named specprefetch.d<d>); the config check refuses an
+    experiment whose distances predictors.lookahead does not train, and a storage the device does not have."""
+    from specprefetch.config import ConfigError, device_settings
+    from specprefetch.workflow import Pipeline
+
+    monkeypatch.chdir(tmp_path)
+    c = copy.deepcopy(cfg)
+    c["predictors"]["lookahead"] = {"distances": [1, 2], "methods": ["specprefetch", "fate"]}
+    c["device"]["model_experiments"] = {MODEL: ["main", "lookahead"]}
+    c["device"]["lookahead"] = {"distances": [1, 2], "storages": ["nvme_cold"]}
+    p = Pipeline(c, workdir=REPO)
+    want = f"results/predictors/{MODEL}/specprefetch.d2"
+    assert p.device_lookahead_dirs(MODEL) == [("specprefetch.d2", want)]
+    assert want in p.device_predictor_dirs(MODEL) and f"specprefetch.d2={want}" in p.device_predictor_args(MODEL)
+    other = next(m for m in p.device_models if m != MODEL)
+    assert p.device_lookahead_dirs(other) == [] and "specprefetch.d2" not in p.device_predictor_args(other)
+    short = copy.deepcopy(c)
+    short["predictors"]["lookahead"] = {"distances": [1, 2], "methods": ["fate"]}
+    with pytest.raises(ConfigError, match=r"predictors\.lookahead does not train specprefetch at d = \[2\]"):
+        device_settings(short)
+    far = copy.deepcopy(c)
+    far["device"]["lookahead"]["distances"] = [1, 3]
+    with pytest.raises(ConfigError, match=r"does not train specprefetch at d = \[3\]"):
+        device_settings(far)
+    disk = copy.deepcopy(c)
+    disk["device"]["lookahead"]["storages"] = ["sdcard"]
+    with pytest.raises(ConfigError, match=r"'device\.lookahead\.storages': 'sdcard' is not one of device\.storages"):
+        device_settings(disk)

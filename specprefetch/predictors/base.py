@@ -53,6 +53,17 @@ class PredictorError(SpecPrefetchError):
     """A predictor checkpoint or a batch does not fit the predictor; the message names the file/key."""
 
 
+def ahead_tag(d: int) -> str:
+    """The suffix that names a predictor at look-ahead distance ``d``: "" for the paper's d = 1, ".d<d>" beyond."""
+    return "" if int(d) == 1 else f".d{int(d)}"
+
+
+def ahead_name(method: str, d: int) -> str:
+    """A predictor's name at distance ``d`` (``specprefetch``, ``specprefetch.d2``): its directory's stem and the
+    runtime's provider key."""
+    return f"{method}{ahead_tag(d)}"
+
+
 @dataclass(frozen=True)
 class PredictorDims:
     """Shapes a predictor is built for: L MoE layers, hidden size D, n routed experts, top-K.

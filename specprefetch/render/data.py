@@ -167,7 +167,7 @@ def repeat_stats(values: pd.Series, repeats: pd.Series | None = None) -> RepeatS
     return RepeatStats(mean, std, ci.lo, ci.hi, ci.n, (float(vals.min()), float(vals.max())), by_rep)
 
 
-CONFIG_KEYS = ("experiment", "storage", "policy", "m_max", "compute_opt", "layer_m_max")  # one configuration
+CONFIG_KEYS = ("experiment", "storage", "policy", "m_max", "compute_opt", "layer_m_max", "lookahead")  # one config
 
 
 def repeat_count(rows: pd.DataFrame) -> int | str:

@@ -712,12 +712,75 @@ def figure_recall_per_layer(per_layer: pd.DataFrame, cfg: Mapping[str, Any],
     return FigureResult(fig, doc)
 
 
-def figure_lookahead(lookahead: pd.DataFrame, cfg: Mapping[str, Any],
-                     path: Path | str = "lookahead.csv") -> FigureResult:
+def lookahead_runtime(runs: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any]) -> tuple[pd.DataFrame, Any]:
+    """The runtime's lookahead experiment (``device.lookahead``): per storage, OFF and SpecPrefetch prefetching d
+    layers ahead, with SpecPrefetch's paired gain vs the block's OFF; summarized per (storage, policy, lookahead)
+    with ``tokens_per_s``, ``gain_pct``, ``ready_pct`` (and the bound when recorded). Empty when runs.csv has no
+    such experiment (it is not in the embedded default's experiments: config/overlays/extensions.yaml runs it)."""
+    sel = select_device(runs, path, cfg)
+    rows = runs[(runs["platform"] == sel.platform) & (runs["model"] == sel.model)
+                & (runs["source"] == sel.sources[0]) & (runs["experiment"] == "lookahead")]
+    rows = rows[rows["policy"].isin(["off", "specprefetch"])]
+    if rows.empty:
+        return pd.DataFrame(), sel
+    require_rows(rows, path, "the look-ahead figure's runtime row", policy="specprefetch")
+    ahead = pd.to_numeric(rows["lookahead"], errors="coerce") if "lookahead" in rows.columns else None
+    rows = rows.assign(lookahead=1 if ahead is None else ahead.fillna(1).astype(int))
+    g = paired_gains(rows, path).assign(ready_pct=lambda d: d["ready_recall"] * 100.0)
+    extra = []
+    if bound_values(g, path) is not None:
+        g = g.assign(**{BOUND_COLUMN: pd.to_numeric(g[BOUND_COLUMN], errors="coerce")})
+        extra = [BOUND_COLUMN]
+    summ = summarize(g, ["storage", "policy", "lookahead"], ["tokens_per_s", "gain_pct", "ready_pct", *extra])
+    m_max = g.groupby(["storage", "policy", "lookahead"])["m_max"].agg(lambda v: sorted(set(v.dropna().astype(int))))
+    summ["m_max"] = [m_max[(r.storage, r.policy, r.lookahead)] for r in summ.itertuples()]
+    return summ.assign(model=sel.model, note=repeats_note(g)), sel
+
+
+def _lookahead_runtime_panel(ax: Any, summ: pd.DataFrame, storage: str, cells: list[Cell]) -> dict[str, Any]:
+    """One storage of the runtime row: SpecPrefetch's throughput vs d (95 % CI, gain and budget on each point), OFF's
+    as a band, the runtime's bound as ticks. Returns the budgets per d, for the JSON's meta."""
+    part = summ[summ["storage"] == storage]
+    off = part[part["policy"] == "off"]
+    spec = part[part["policy"] == "specprefetch"].sort_values("lookahead")
+    budgets: dict[str, Any] = {}
+    if not off.empty:
+        o = off.iloc[0]
+        ax.axhline(o["tokens_per_s_mean"], color=color("off"), linewidth=1.0, label=POLICY_LABELS["off"])
+        ax.axhspan(o["tokens_per_s_lo"], o["tokens_per_s_hi"], color=color("off"), alpha=0.18, linewidth=0)
+        cells.append(_stat_cell(f"runtime/{storage}/OFF/throughput", "throughput", o["tokens_per_s_stats"],
+                                {"storage": storage, "policy": POLICY_LABELS["off"]}))
+    c = color("specprefetch")
+    ax.errorbar(spec["lookahead"], spec["tokens_per_s_mean"],
+                yerr=_yerr(spec["tokens_per_s_mean"], spec["tokens_per_s_lo"], spec["tokens_per_s_hi"]), color=c,
+                marker="o", markersize=3, linewidth=1.4, elinewidth=0.8, capsize=2, label=POLICY_LABELS["specprefetch"])
+    bound = f"{BOUND_COLUMN}_mean"
+    if bound in spec.columns and spec[bound].notna().any():
+        ax.plot(spec["lookahead"], spec[bound], marker="_", markersize=9, markeredgewidth=1.4, color="black",
+                linestyle="none", label="bound")
+    for r in spec.itertuples():
+        d, m = int(r.lookahead), r.m_max
+        key = {"storage": storage, "policy": POLICY_LABELS["specprefetch"], "d": d,
+               "m_max": m[0] if len(m) == 1 else str(m)}
+        budgets[str(d)] = key["m_max"]
+        cells.append(_stat_cell(f"runtime/{storage}/d{d}/throughput", "throughput", r.tokens_per_s_stats, key))
+        cells.append(_stat_cell(f"runtime/{storage}/d{d}/gain", "gain", r.gain_pct_stats, key))
+        if r.ready_pct_stats is not None:
+            cells.append(_stat_cell(f"runtime/{storage}/d{d}/ready_recall", "ready_recall", r.ready_pct_stats, key))
+        ax.annotate(f"{_gain_label(r.gain_pct_stats.mean)}\n$M$={key['m_max']}", xy=(d, r.tokens_per_s_hi),
+                    xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=5.5, color=c)
+    ax.set_title(storage_label(storage), loc="left")
+    return budgets
+
+
+def figure_lookahead(lookahead: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "lookahead.csv",
+                     runs: pd.DataFrame | None = None, runs_path: Path | str = "runs.csv") -> FigureResult:
     """ExpertRecall@K predicting the experts d MoE layers ahead (layer l predicts layer l+d; d = 1 is the paper's
     next-layer prediction, Table 1's values), per model (rows) and workload (columns, then their unweighted mean),
     one line per method with the t-interval over training seeds: how much predictability a longer prefetch window
-    gives up, and whether a learned adapter holds it better than the next layers' gates (beyond the paper)."""
+    gives up, and whether a learned adapter holds it better than the next layers' gates (beyond the paper). With
+    runs.csv's lookahead experiment, a last row per storage: the runtime's throughput prefetching d layers ahead
+    against OFF (paired bootstrap CIs over repeats), at the window rule's budget on the window summed over d layers."""
     models = [m for m in cfg["models"] if m in set(lookahead["model"])]
     if not models:
         raise RenderInputError(f"{path}: no rows for any configured model ({', '.join(cfg['models'])}) "
@@ -725,10 +788,16 @@ def figure_lookahead(lookahead: pd.DataFrame, cfg: Mapping[str, Any],
     workloads = [w for w in cfg["workloads"] if w in set(lookahead["workload"])]
     columns = [*workloads, None]  # None: the mean over workloads
     methods = [m for m in METHOD_ORDER if m in set(lookahead["method"])]
+    rt, sel = lookahead_runtime(runs, runs_path, cfg) if runs is not None else (pd.DataFrame(), None)
+    rt_storages = [s for s in STORAGE_ORDER if not rt.empty and s in set(rt["storage"])]
+    if len(rt_storages) > len(columns):
+        raise RenderInputError(f"{runs_path}: the lookahead experiment has {len(rt_storages)} storages, more than "
+                               f"the figure's {len(columns)} columns")
     cells = []
     with _theme():
-        fig, axes = plt.subplots(len(models), len(columns), squeeze=False, sharex=True, sharey="row",
-                                 figsize=(TEXT_WIDTH_IN, 0.75 + 1.55 * len(models)))
+        n_rows = len(models) + (1 if rt_storages else 0)
+        fig, axes = plt.subplots(n_rows, len(columns), squeeze=False, sharex=True, sharey="row",
+                                 figsize=(TEXT_WIDTH_IN, 0.75 + 1.55 * n_rows))
         for i, m in enumerate(models):
             k = int(cfg["models"][m]["top_k"])
             sub = lookahead[(lookahead["model"] == m) & (lookahead["M"] == k)]
@@ -758,11 +827,28 @@ def figure_lookahead(lookahead: pd.DataFrame, cfg: Mapping[str, Any],
                                 zorder=3 if meth == "specprefetch" else 2)
                 ax.set_title(wname if i == 0 else "", loc="left")
                 ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-                if i == len(models) - 1:
+                if i == n_rows - 1:
                     ax.set_xlabel("Look-ahead $d$")
             axes[i, 0].set_ylabel(f"{_display(cfg, m)}\nR@{k} (%)")
+        meta_rt: dict[str, Any] = {}
+        if rt_storages:
+            last = axes[-1]
+            for j, ax in enumerate(last):
+                if j < len(rt_storages):
+                    meta_rt[rt_storages[j]] = _lookahead_runtime_panel(ax, rt, rt_storages[j], cells)
+                    ax.set_xlabel("Look-ahead $d$")
+                else:
+                    ax.set_axis_off()
+            top = rt[[c for c in ("tokens_per_s_hi", f"{BOUND_COLUMN}_mean") if c in rt.columns]].max().max()
+            last[0].set_ylim(0, float(top) * 1.3)  # room for the labels (one y axis for the row)
+            last[0].set_ylabel(f"Runtime, {_display(cfg, sel.model)}\nThroughput (tok/s)")
+            spare = last[len(rt_storages)] if len(rt_storages) < len(last) else None
+            (spare or last[0]).legend(*last[0].get_legend_handles_labels(), frameon=False, fontsize=6,
+                                      loc="center left" if spare is not None else "lower left")
+            meta_rt = {"model": sel.model, "platform": sel.platform, "m_max": meta_rt, "ci": CI_META,
+                       "note": str(rt["note"].iloc[0])}
         handles: dict[str, Any] = {}
-        for ax in axes.flat:
+        for ax in axes[:len(models)].flat:
             for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
                 handles.setdefault(lab, h)
         fig.legend(list(handles.values()), list(handles.keys()), loc="upper center", ncol=min(7, len(handles)),
@@ -770,7 +856,7 @@ def figure_lookahead(lookahead: pd.DataFrame, cfg: Mapping[str, Any],
         fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
     doc = TableDoc("fig_lookahead", "ExpertRecall@K vs look-ahead distance", cfg["profile"], cells,
                    meta={"note": _caption_note(cfg), "lookahead": sorted(int(d) for d in set(lookahead["lookahead"])),
-                         "ci": "95 % t-interval over training seeds"})
+                         "ci": "95 % t-interval over training seeds", **({"runtime": meta_rt} if meta_rt else {})})
     return FigureResult(fig, doc)
 
 
@@ -946,6 +1032,12 @@ def _from_csv(contract: str, fn: Callable[..., FigureResult]) -> Callable[[Mappi
     return build
 
 
+def _build_lookahead(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> FigureResult:
+    runs = read_result_csv(inputs["runs"], "runs") if "runs" in inputs else None
+    return figure_lookahead(read_result_csv(inputs["lookahead"], "lookahead"), cfg, inputs["lookahead"], runs,
+                            inputs.get("runs", "runs.csv"))
+
+
 def _build_pareto(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> FigureResult:
     runs = read_result_csv(inputs["runs"], "runs") if "runs" in inputs else None
     return figure_pareto(read_result_csv(inputs["recall"], "recall"), read_result_csv(inputs["params"], "params"),
@@ -990,12 +1082,16 @@ FIGURES: dict[str, FigureSpec] = {
                                        _from_csv("per_layer", figure_recall_per_layer),
                                        "ExpertRecall@$K$ per target layer for every predictor, mean over "
                                        "workloads.", "Per-layer recall (not in the paper)"),
-    "fig_lookahead": FigureSpec("fig_lookahead", ("lookahead",), _from_csv("lookahead", figure_lookahead),
+    "fig_lookahead": FigureSpec("fig_lookahead", ("lookahead",), _build_lookahead,
                                 "ExpertRecall@$K$ predicting the experts $d$ MoE layers ahead (layer $l$ predicts "
                                 "layer $l+d$: SpecPrefetch's adapters and the learned baselines trained per distance, "
                                 "FATE applying layer $l+d$'s gate to $x^l$; $d=1$ is Table~1), per workload and their "
-                                "mean (error bars: 95\\,\\% t-interval over training seeds).",
-                                "Look-ahead (beyond the paper)"),
+                                "mean (error bars: 95\\,\\% t-interval over training seeds). When the runtime ran "
+                                "the look-ahead experiment, the last row: decoding throughput with SpecPrefetch "
+                                "prefetching $d$ layers ahead at the window rule's budget on the window summed over "
+                                "$d$ layers, against OFF (band), per storage (95\\,\\% CIs, paired bootstrap over "
+                                "repeats; labels: the paired gain and the budget).",
+                                "Look-ahead (beyond the paper)", optional=("runs",)),
     "fig_pareto": FigureSpec("fig_pareto", ("recall", "params", "predictor_cost"), _build_pareto,
                              "What a predictor buys for what it costs: (a) ExpertRecall@$K$ (mean over workloads; "
                              "95\\,\\% t-interval over training seeds) against trainable parameters, (b) against "

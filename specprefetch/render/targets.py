@@ -41,7 +41,7 @@ FIGURE_INPUTS: dict[str, tuple[str, ...]] = {
     "fig5_storage": ("runs", "budget_curve"),
     "fig6_component": ("runs",),
     "fig_recall_per_layer": ("per_layer",),
-    "fig_lookahead": ("lookahead",),
+    "fig_lookahead": ("lookahead", "runs"),
     "fig_pareto": ("recall", "params", "predictor_cost", "runs"),
 }
 TABLE_NAMES = list(TABLE_INPUTS)

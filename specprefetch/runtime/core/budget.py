@@ -164,6 +164,31 @@ def layer_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any],
     return out
 
 
+def lookahead_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | None, budgets: Mapping[str, int],
+                      distances: Iterable[int]) -> dict[str, dict[int, int]]:
+    """M_max per storage and look-ahead distance ``d`` (beyond the paper: layer l prefetches into l+d, so its
+    transfers have the windows of layers l..l+d-1): the window rule on the window summed over d layers,
+    ``max(1, floor(d * median W / t_transfer))``, when the budget is auto by the window rule; else ``d`` times the
+    storage's budget (a configured integer, or the simulated rule's). At most ``n_experts`` either way; ``d = 1`` is
+    the storage's own budget. The d sets in flight at once share one storage, so whether the longer window pays
+    is what the ``lookahead`` experiment measures."""
+    out: dict[str, dict[int, int]] = {}
+    ds = sorted({int(d) for d in distances})
+    window_rule = profile is not None and is_auto(settings["m_max"]) and budget_rule(settings) == "window"
+    n = int(profile["n_experts"]) if profile is not None else None
+    for st, m in budgets.items():
+        if window_rule:
+            assert profile is not None and n is not None
+            t = (profile.get("transfer_ms_used") or {}).get(st)
+            if t is None:
+                raise BudgetError(f"window profile has no transfer_ms_used for storage {st}: rerun profile-window")
+            w = float(profile["window_ms_median"])
+            out[st] = {d: int(m) if d == 1 else derive_m_max(d * w, float(t), n) for d in ds}
+        else:
+            out[st] = {d: int(m) * d if n is None else min(n, int(m) * d) for d in ds}
+    return out
+
+
 def has_budget(policy: str) -> bool:
     """Whether runs of ``policy`` have a budget (the ``Policy`` table's ``budgeted``: they select at M_max)."""
     if policy not in POLICY:
@@ -200,8 +225,8 @@ def layer_budget(m_max: int, layer_m_max: Sequence[int], layer: int) -> int:
 
 
 __all__ = ["AUTO", "RULE", "RULE_KEYS", "BudgetError", "RunBudget", "budget_rule", "budget_storages", "derive_m_max",
-           "has_budget", "is_auto", "layer_budget", "layer_budgets", "read_window_profile", "rule_budgets",
-           "run_budget", "storage_budgets", "window_budgets"]
+           "has_budget", "is_auto", "layer_budget", "layer_budgets", "lookahead_budgets", "read_window_profile",
+           "rule_budgets", "run_budget", "storage_budgets", "window_budgets"]
 
 
 def profiled_physical_ms(profile: dict[str, Any]) -> float:

@@ -15,8 +15,10 @@ At MoE layer ``l`` (one call of ``OffloadedExperts.forward``), the per-layer loo
    when it reaches them (no hand-off to an I/O thread; the layer blocks either way).
 3. In a decoding step (one token), the policy's provider turns ``x^l`` into priorities ``s^{l+1}`` (``t_pred``); the
    top ``M_max`` experts of layer ``l+1`` neither resident nor in flight are queued as asynchronous prefetches in
-   priority order (PRED0 computes them but issues nothing). A prefill (many tokens) loads on demand only: the
-   prompt's prefill leaves every policy the same cache, and decoding is what the policies are measured on.
+   priority order (PRED0 computes them but issues nothing). With a look-ahead ``d`` (``lookahead``, beyond the
+   paper) the provider predicts layer ``l+d`` and the prefetches go there, at that layer's budget. A prefill (many
+   tokens) loads on demand only: the prompt's prefill leaves every policy the same cache, and decoding is what the
+   policies are measured on.
 4. The experts are computed in ascending expert id (the accumulation order of transformers' eager loop, so the
    result is bit-identical whatever was cached), waiting for the loads still in flight (the stall). The layer's
    experts then become the most recently used (in ascending id, whatever order they arrived in).
@@ -72,10 +74,13 @@ class RuntimeOptions:
     preload: bool = False         # every expert resident before the run (implied by policy "resident")
     topm_absent: tuple[int, ...] = ()  # record |Top_M(s) minus available| at t_pred for these M (Figure 1b)
     layer_m_max: tuple[int, ...] = ()  # per-layer budget M_max,l (index: the layer prefetched into); (): m_max
+    lookahead: int = 1            # layer l prefetches into layer l + lookahead (its provider must predict that far)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise OffloadError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 1:
+            raise OffloadError(f"lookahead must be an integer >= 1, got {self.lookahead!r}")
         if self.m_max < 0 or any(m < 0 for m in self.layer_m_max):
             raise OffloadError(f"m_max must be >= 0, got {self.m_max} {list(self.layer_m_max) or ''}")
 
@@ -180,6 +185,12 @@ class OffloadedRuntime:
         if self.policy.provider is not None and provider is None:
             raise OffloadError(f"policy {options.policy!r} needs a priority provider (a predictor)")
         self.provider = provider if self.policy.predicts else None
+        ahead = getattr(self.provider, "lookahead", options.lookahead)
+        if ahead != options.lookahead:
+            raise OffloadError(f"policy {options.policy!r} prefetches {options.lookahead} layer(s) ahead, but its "
+                               f"{self.provider.name} provider predicts {ahead} layer(s) ahead")
+        if options.lookahead >= max(self.n_layers, 2):
+            raise OffloadError(f"lookahead {options.lookahead} >= the model's {self.n_layers} MoE layers")
         self.cache = ExpertCache(cap)
         # every expert resident: a shared pool already holding every record (:func:`resident_pool`) spares the read
         self.shared_pool = self.preload and resident is not None

@@ -7,9 +7,10 @@ One MoE layer (:meth:`LayerLoop.run`):
    ReadyRecall pairs) and the prefetches issued for this layer are counted.
 2. Required experts are pinned in ascending id while the cache has room, absent ones queued as demand loads
    (:func:`acquire`).
-3. In a decoding step (one token) a predicting policy's provider gives the priorities ``s^{l+1}`` (``t_pred``); the
-   top ``M_max`` experts of layer ``l+1`` neither resident nor in flight are queued as prefetches in priority order
-   (:func:`issue_prefetches`; PRED0 selects and issues nothing).
+3. In a decoding step (one token) a predicting policy's provider gives the priorities ``s^{l+d}`` (``t_pred``; the
+   look-ahead ``d`` is the provider's, 1 in the paper); the top ``M_max`` experts of layer ``l+d`` neither resident
+   nor in flight are queued as prefetches in priority order (:func:`issue_prefetches`; PRED0 selects and issues
+   nothing).
 4. Compute, in ascending expert id: each expert is waited for until resident (the stall; a queued load is performed
    by the compute thread itself, a failed one reloaded on demand), computed and released -- or, with ``compute_opt``
    in a decoding step, all K experts are waited for and then computed at once (the batched fast path).
@@ -83,15 +84,15 @@ def acquire(cache: ExpertCache, io: IOBackend, keys: list[Key], j: int, protect:
     return j
 
 
-def issue_prefetches(cache: ExpertCache, io: IOBackend, issued: Issued, ev: LayerEvent, step: int, layer: int,
+def issue_prefetches(cache: ExpertCache, io: IOBackend, issued: Issued, ev: LayerEvent, step: int, target: int,
                      scores: Any, m_max: int, empty_when_zero: bool, issues: bool, protect: set[Key],
                      topm_absent: Sequence[int] = ()) -> None:
-    """``t_pred`` of layer ``layer``: select ``P^{l+1}`` (Top-M_max of the priorities over experts of layer
-    ``layer + 1`` neither resident nor in flight) and, if the policy ``issues``, queue them as prefetches in
-    priority order until a slot cannot be freed without evicting what this layer needs. ``topm_absent``: record
-    |Top_M(s) minus available| for these M (Figure 1(b))."""
+    """``t_pred``: select ``P^{target}`` (Top-M_max of the priorities over experts of layer ``target`` -- ``l+1``
+    in the paper, ``l+d`` with a look-ahead -- neither resident nor in flight) and, if the policy ``issues``, queue
+    them as prefetches in priority order until a slot cannot be freed without evicting what this layer needs.
+    ``topm_absent``: record |Top_M(s) minus available| for these M (Figure 1(b))."""
     with cache.lock:
-        exclude = cache.unavailable_mask_of_layer(layer + 1)
+        exclude = cache.unavailable_mask_of_layer(target)
         cands = select_prefetch(scores, exclude, m_max, empty_when_zero)
         ev.candidates = cands
         for m in topm_absent:
@@ -100,10 +101,10 @@ def issue_prefetches(cache: ExpertCache, io: IOBackend, issued: Issued, ev: Laye
         if not issues:  # PRED0: the whole control path, no transfer
             return
         for e in cands:
-            key = (layer + 1, e)
+            key = (target, e)
             if cache.reserve(key, protect, last_resort=False) is None:
                 break
-            issued[(step, layer + 1)].append(io.submit(key, "prefetch", step))
+            issued[(step, target)].append(io.submit(key, "prefetch", step))
             ev.issued.append(e)
 
 
@@ -112,7 +113,8 @@ class LayerWork(Protocol):
     differently (real computation on the wall clock, or profiled durations charged to the virtual clock)."""
 
     def scores(self, provider: PriorityProvider, layer: int) -> Any:
-        """The provider's priorities for layer ``layer + 1`` (None: none this step); the prediction's time passes."""
+        """The provider's priorities for layer ``layer + provider.lookahead`` (None: none this step); the prediction's
+        time passes."""
         ...
 
     def prepared(self, ev: LayerEvent, predicted: bool, batched: bool) -> None:
@@ -183,7 +185,7 @@ class LayerLoop:
         self.events.append(ev)
         protect = set(keys)
         j = acquire(cache, io, keys, 0, protect, step)
-        predicted = decoding and self.provider is not None and layer + 1 < self.n_layers
+        predicted = decoding and self.provider is not None and layer + self.provider.lookahead < self.n_layers
         if predicted:
             self.predict(ev, step, layer, work, protect)
         batched = self.compute_opt and decoding and len(keys) == len(rows[0])
@@ -203,11 +205,12 @@ class LayerLoop:
         return ev
 
     def predict(self, ev: LayerEvent, step: int, layer: int, work: LayerWork, protect: set[Key]) -> None:
-        """``t_pred``: the provider's priorities for ``layer + 1``, the selection at its budget and (if the policy
-        issues) the prefetches, in priority order."""
+        """``t_pred``: the provider's priorities for ``layer + d`` (``d``: the provider's look-ahead), the selection at
+        that layer's budget and (if the policy issues) the prefetches, in priority order."""
         provider = self.provider
         if provider is None:
             return
+        target = layer + provider.lookahead
         s = work.scores(provider, layer)
         ev.t_pred = self.io.now()
         if s is None:
@@ -215,7 +218,7 @@ class LayerLoop:
         if self.record:
             ev.scores = torch.as_tensor(s).clone()
         self.io.poll()
-        issue_prefetches(self.cache, self.io, self.issued, ev, step, layer, s, self.budget_of(layer + 1),
+        issue_prefetches(self.cache, self.io, self.issued, ev, step, target, s, self.budget_of(target),
                          provider.empty_when_zero, self.issues, protect, self.topm_absent)
 
     def _wait_for_room(self) -> None:

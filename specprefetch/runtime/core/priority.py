@@ -1,9 +1,10 @@
 """Next-layer expert priorities at run time, and the window-aware prefetch selection (paper §3.3).
 
 At MoE layer ``l`` the runtime hands the router input ``x^l`` ([T, D]) to a :class:`PriorityProvider`, which
-returns the priority vector ``s^{l+1}`` over the ``n`` experts of layer ``l+1`` (batch priorities: the sum of
-the per-token distributions, §3.2). :func:`select_prefetch` then takes the ``M_max`` best experts that are
-neither available nor in flight, in descending priority.
+returns the priority vector ``s^{l+d}`` over the ``n`` experts of layer ``l+d`` (batch priorities: the sum of
+the per-token distributions, §3.2); ``d`` is the provider's ``lookahead``: 1 in the paper, and a predictor
+trained at distance ``d`` (``predictors.lookahead``) prefetches ``d`` layers ahead. :func:`select_prefetch` then
+takes the ``M_max`` best experts that are neither available nor in flight, in descending priority.
 
 Providers: a trained predictor of ``specprefetch.predictors`` (SpecPrefetch adapters, FATE, and any method that
 implements ``layer_token_scores(l, x)``) evaluated one layer at a time, and Naive Prefetch (the experts the
@@ -34,13 +35,14 @@ class PriorityProvider:
 
     name = "none"
     empty_when_zero = False
+    lookahead = 1  # the layer predicted: l + lookahead
 
     def reset(self) -> None:
         """Forget per-sequence state (a new prompt starts)."""
 
     def scores(self, layer: int, x: Tensor) -> Tensor | np.ndarray | None:
-        """Priorities ``[n]`` (float32, CPU) for layer ``layer + 1`` from router input ``x`` of ``layer``: a tensor,
-        or a numpy array on a one-token CPU hot path (:func:`select_prefetch` takes either)."""
+        """Priorities ``[n]`` (float32, CPU) for layer ``layer + lookahead`` from router input ``x`` of ``layer``: a
+        tensor, or a numpy array on a one-token CPU hot path (:func:`select_prefetch` takes either)."""
         return None
 
     def observe(self, layer: int, top_k_index: Tensor, top_k_weights: Tensor) -> None:
@@ -61,9 +63,7 @@ class PredictorPriority(PriorityProvider):
 
     def __init__(self, predictor: Any, device: torch.device | str = "cpu") -> None:
         self.name = str(getattr(predictor, "method", type(predictor).__name__))
-        if int(getattr(predictor.dims, "lookahead", 1)) != 1:
-            raise SpecPrefetchError(f"{self.name} predictor predicts {predictor.dims.lookahead} layers ahead; the "
-                                    "runtime prefetches one layer ahead (a look-ahead predictor is for recall only)")
+        self.lookahead = int(getattr(predictor.dims, "lookahead", 1))
         self.pred = predictor.to(device).eval()
         self.empty_when_zero = bool(getattr(predictor, "empty_when_zero", False))
         self.n_pairs = int(predictor.dims.n_pairs)
@@ -138,23 +138,25 @@ def _np_t(w: Tensor) -> np.ndarray:
 
 
 class PreviousTokenPriority(PriorityProvider):
-    """Naive Prefetch: the previous token's experts at layer l+1, ranked by their routing weight."""
+    """Naive Prefetch: the previous token's experts at layer l+d (d = 1: the paper's), ranked by their routing
+    weight."""
 
     name = "previous_token"
     empty_when_zero = True
 
-    def __init__(self, n_layers: int, n_experts: int) -> None:
+    def __init__(self, n_layers: int, n_experts: int, lookahead: int = 1) -> None:
         self.n_layers = n_layers
         self.n_experts = n_experts
+        self.lookahead = int(lookahead)
         self.reset()
 
     def reset(self) -> None:
         self.last: list[Tensor | None] = [None] * self.n_layers
 
     def scores(self, layer: int, x: Tensor) -> Tensor | None:
-        if layer + 1 >= self.n_layers:
+        if layer + self.lookahead >= self.n_layers:
             return None
-        return self.last[layer + 1]
+        return self.last[layer + self.lookahead]
 
     def observe(self, layer: int, top_k_index: Tensor, top_k_weights: Tensor) -> None:
         idx = top_k_index[-1].reshape(-1).long().cpu()   # the step's last token is the "previous" one next step
@@ -165,12 +167,13 @@ class PreviousTokenPriority(PriorityProvider):
         self.last[layer] = s
 
 
-def builtin_provider(policy: str, n_layers: int, n_experts: int) -> PriorityProvider | None:
+def builtin_provider(policy: str, n_layers: int, n_experts: int, lookahead: int = 1) -> PriorityProvider | None:
     """The priority provider of a predicting policy that needs no trained predictor (Naive Prefetch: a
-    :class:`PreviousTokenPriority`), else None. The harness, the lm-eval wrapper and the simulator take Naive
-    Prefetch's provider from here, so the simulator replays the object the runtime runs."""
+    :class:`PreviousTokenPriority`, ``lookahead`` layers ahead), else None. The harness, the lm-eval wrapper and the
+    simulator take Naive Prefetch's provider from here, so the simulator replays the object the runtime runs."""
     pol = POLICY[policy]
-    return PreviousTokenPriority(n_layers, n_experts) if pol.predicts and pol.provider is None else None
+    return (PreviousTokenPriority(n_layers, n_experts, lookahead) if pol.predicts and pol.provider is None
+            else None)
 
 
 def select_prefetch(scores: Tensor | None, exclude: Collection[int], m_max: int,
@@ -201,28 +204,29 @@ def select_prefetch(scores: Tensor | None, exclude: Collection[int], m_max: int,
     return out
 
 
-def fate_from_model(spec: Any) -> Any:
-    """A FATE predictor built from a model's own gates (training-free, no trace needed)."""
+def fate_from_model(spec: Any, lookahead: int = 1) -> Any:
+    """A FATE predictor built from a model's own gates (training-free, no trace needed): layer l+d's gate applied
+    to x^l (``lookahead`` d)."""
     from specprefetch.predictors.base import PredictorDims, build_predictor
 
     dims = PredictorDims(n_layers=spec.n_layers, hidden_size=spec.hidden_size, n_experts=spec.n_experts,
-                         top_k=spec.top_k, scoring=spec.scoring, arch=spec.arch)
+                         top_k=spec.top_k, scoring=spec.scoring, arch=spec.arch, lookahead=int(lookahead))
     pred = build_predictor("fate", None, dims)
-    routers = spec.router_tensors()
-    routers = {k: v for k, v in routers.items()}
-    pred.set_gates(routers)
+    pred.set_gates(spec.router_tensors())
     return pred
 
 
-def provider_factories(pred_dirs: dict[str, Path], spec: Any, device: str,
-                       model: str | None = None) -> dict[str, Callable[[], Any]]:
-    """Factories of priority providers: trained predictors from their directories; FATE also from the gates.
+def provider_factories(pred_dirs: dict[str, Path], spec: Any, device: str, model: str | None = None,
+                       lookahead: Collection[int] = (1,)) -> dict[str, Callable[[], Any]]:
+    """Factories of priority providers, keyed by predictor name (:func:`~specprefetch.predictors.base.ahead_name`:
+    ``specprefetch``, ``specprefetch.d2``): trained predictors from their directories (a name's distance must be
+    its predictor's); FATE also from the gates, at every distance of ``lookahead``.
 
     With ``model``, each predictor must have been trained for that model (its meta.json says so)."""
-    from specprefetch.predictors.base import load_predictor, read_meta
+    from specprefetch.predictors.base import ahead_name, load_predictor, read_meta
 
     out: dict[str, Callable[[], Any]] = {}
-    for method, d in pred_dirs.items():
+    for name, d in pred_dirs.items():
         trained_for = read_meta(d).get("model")
         if model is not None and trained_for != model:
             raise SpecPrefetchError(f"{d}: predictor trained for model {trained_for!r}, not {model!r}")
@@ -230,8 +234,14 @@ def provider_factories(pred_dirs: dict[str, Path], spec: Any, device: str,
         if pred.dims.n_layers != spec.n_layers or pred.dims.n_experts != spec.n_experts:
             raise SpecPrefetchError(f"{d}: predictor for L={pred.dims.n_layers}, n={pred.dims.n_experts}; "
                                     f"the model has L={spec.n_layers}, n={spec.n_experts}")
-        out[method] = (lambda p=pred: PredictorPriority(p, device))
-    if "fate" not in out:
-        fate = fate_from_model(spec)
-        out["fate"] = lambda: PredictorPriority(fate, device)
+        method = str(getattr(pred, "method", name.split(".")[0]))
+        if name != ahead_name(method, pred.dims.lookahead):
+            raise SpecPrefetchError(f"{d}: a {method} predictor {pred.dims.lookahead} layer(s) ahead, given as "
+                                    f"{name!r} (name it {ahead_name(method, pred.dims.lookahead)!r})")
+        out[name] = (lambda p=pred: PredictorPriority(p, device))
+    for d in lookahead:
+        name = ahead_name("fate", d)
+        if name not in out and d < spec.n_layers:
+            fate = fate_from_model(spec, d)
+            out[name] = lambda p=fate: PredictorPriority(p, device)
     return out

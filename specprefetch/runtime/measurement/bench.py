@@ -12,7 +12,11 @@ Experiments (the ``experiment`` column of ``runs.csv``), all on the same prompts
 - ``component`` (Figure 6): compute_opt off/on x prefetch off/on, reference storage (page cache evicted);
 - ``budget``: OFF vs SpecPrefetch with the storage's one budget ``M_max`` vs with the per-layer budgets
   ``M_max,l = ⌊W_l / t_transfer⌋`` (the window profile's ``m_max_per_layer``), on every storage (column
-  ``layer_m_max``; where every layer's budget equals ``M_max`` the two are one configuration, measured once).
+  ``layer_m_max``; where every layer's budget equals ``M_max`` the two are one configuration, measured once);
+- ``lookahead`` (beyond the paper): OFF vs SpecPrefetch prefetching ``d`` layers ahead (column ``lookahead``; a
+  predictor trained at distance d, ``predictors.lookahead``) for every ``d`` of ``device.lookahead.distances``, on
+  each of ``device.lookahead.storages``, at the window rule's budget on the window summed over d layers
+  (:func:`~specprefetch.runtime.core.budget.lookahead_budgets`).
 
 The blocks of :func:`storage_blocks` measure the plan: a block holds whole experiments of one storage and measures
 every distinct configuration they run on it once per repeat, before repeat ``r+1`` starts: in lockstep, token by
@@ -52,11 +56,12 @@ from typing import Any
 
 import torch
 
-from specprefetch.contracts import ROUTING_FORMAT, RUN_COLUMNS, save_tensor_tree, variant_experiment
+from specprefetch.contracts import POLICY, ROUTING_FORMAT, RUN_COLUMNS, save_tensor_tree, variant_experiment
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance
 from specprefetch.metrics import bootstrap_ci
 from specprefetch.runtime.core.budget import (
     layer_budgets,
+    lookahead_budgets,
     profiled_physical_ms,
     rule_budgets,
     run_budget,
@@ -68,8 +73,8 @@ log = logging.getLogger(__name__)
 
 
 
-# (policy, storage, budget, compute_opt, per-layer budgets or ()): what the runtime is given
-Signature = tuple[str, str, int, bool, tuple[int, ...]]
+# (policy, storage, budget, compute_opt, per-layer budgets or (), look-ahead): what the runtime is given
+Signature = tuple[str, str, int, bool, tuple[int, ...], int]
 
 
 @dataclass(frozen=True)
@@ -80,18 +85,26 @@ class RunConfig:
     m_max: int
     compute_opt: bool = True
     layer_m_max: tuple[int, ...] = ()  # per-layer budgets (index: the layer prefetched into); (): m_max everywhere
+    lookahead: int = 1  # layer l prefetches into layer l + lookahead (the paper: 1)
 
     @property
     def key(self) -> str:
         per = f"|L{layer_budgets_label(self.layers)}" if self.layers else ""
-        return f"{self.experiment}|{self.policy}|{self.storage}|{self.m_max}|{int(self.compute_opt)}{per}"
+        ahead = f"|d{self.ahead}" if self.ahead != 1 else ""
+        return f"{self.experiment}|{self.policy}|{self.storage}|{self.m_max}|{int(self.compute_opt)}{per}{ahead}"
 
     @property
     def label(self) -> str:
-        """Short and human: ``specprefetch M=4``, ``off (no compute opt)``, ``specprefetch M=7 per layer 6/6/7``."""
+        """Short and human: ``specprefetch M=4``, ``off (no compute opt)``, ``specprefetch M=7 per layer 6/6/7``,
+        ``specprefetch M=8 d=2``."""
         per = f" per layer {layer_budgets_label(self.layers)}" if self.layers else ""
         return (self.policy + (f" M={self.budget}" if self.budget else "") + per
-                + ("" if self.compute_opt else " (no compute opt)"))
+                + (f" d={self.ahead}" if self.ahead != 1 else "") + ("" if self.compute_opt else " (no compute opt)"))
+
+    @property
+    def ahead(self) -> int:
+        """The look-ahead the runtime uses: 1 for a policy that does not predict."""
+        return int(self.lookahead) if POLICY[self.policy].predicts else 1
 
     @property
     def budget(self) -> int:
@@ -106,12 +119,20 @@ class RunConfig:
     @property
     def signature(self) -> Signature:
         """What the runtime is given, whatever the experiment."""
-        return (self.policy, self.storage, self.budget, self.compute_opt, self.layers)
+        return (self.policy, self.storage, self.budget, self.compute_opt, self.layers, self.ahead)
 
 
 def layer_budgets_label(budgets: tuple[int, ...]) -> str:
     """runs.csv's ``layer_m_max``: the per-layer budgets of layers 1..L-1 ("" for the one budget)."""
     return "/".join(str(m) for m in budgets[1:])
+
+
+def run_lookahead(row: Any) -> int:
+    """A runs.csv row's look-ahead (1 where the column is empty or absent: the paper's next-layer prefetch)."""
+    v = row.get("lookahead") if hasattr(row, "get") else None
+    if v is None or (isinstance(v, float) and math.isnan(v)) or str(v).strip() == "":
+        return 1
+    return int(float(v))
 
 
 def parse_layer_budgets(label: Any, m_max: int) -> tuple[int, ...]:
@@ -122,11 +143,12 @@ def parse_layer_budgets(label: Any, m_max: int) -> tuple[int, ...]:
 
 def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, experiments: Iterable[str],
                      layer_m_max: dict[str, tuple[int, ...]] | None = None,
-                     rule_m_max: dict[str, set[int]] | None = None) -> dict[str, list[RunConfig]]:
+                     rule_m_max: dict[str, set[int]] | None = None,
+                     ahead_m_max: dict[str, dict[int, int]] | None = None) -> dict[str, list[RunConfig]]:
     """The configurations of every experiment, each storage at its own budget ``budgets[storage]`` (an integer:
     the same budget everywhere) and, for ``budget``, its per-layer budgets ``layer_m_max[storage]``; the sweep
-    measures ``device.sweep_m_max``, the storage's budget and every rule's (``rule_m_max[storage]``)
-    (:mod:`~specprefetch.runtime.core.budget` decides them all)."""
+    measures ``device.sweep_m_max``, the storage's budget and every rule's (``rule_m_max[storage]``); ``lookahead``
+    each distance at ``ahead_m_max[storage][d]`` (:mod:`~specprefetch.runtime.core.budget` decides them all)."""
     ref, slow = settings["reference_storage"], settings["slow_storage"]
     m_max = budgets if isinstance(budgets, dict) else defaultdict(lambda: int(budgets))
     per_layer = layer_m_max or {}
@@ -154,6 +176,14 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
                                                                                          *settings["storages"]])
                         for p, lb in (("off", ()), ("specprefetch", ()), ("specprefetch", per_layer.get(st, ())))]
             out[exp] = list({c.signature: c for c in out[exp]}.values())  # one budget in every layer: one run
+        elif exp == "lookahead":
+            ahead = settings.get("lookahead") or {}
+            if not ahead_m_max:
+                raise SpecPrefetchError("experiment 'lookahead' needs the budgets per distance (the window profile)")
+            out[exp] = [c for st in ahead.get("storages", [ref]) for c in (
+                RunConfig(exp, "off", st, 0),
+                *(RunConfig(exp, "specprefetch", st, ahead_m_max[st][int(d)], lookahead=int(d))
+                  for d in ahead.get("distances", [1])))]
         else:
             raise SpecPrefetchError(f"unknown experiment {exp!r}")
     return out
@@ -243,7 +273,7 @@ def set_bounds(rows: list[dict[str, Any]], events_of: dict[tuple[str, int, Signa
     t_used = profile.get("transfer_ms_used") or {}
     for row in rows:
         sig = (row["policy"], row["storage"], int(row["m_max"]), bool(row["compute_opt"]),
-               parse_layer_budgets(row.get("layer_m_max"), int(row["m_max"])))
+               parse_layer_budgets(row.get("layer_m_max"), int(row["m_max"])), run_lookahead(row))
         evs = events_of.get((row["measured_in"], int(row["repeat"]), sig))
         if evs is None:
             continue
@@ -275,7 +305,7 @@ def run_row(res: RunResult, cfg: RunConfig, repeat: int, platform: str, model: s
         "capacity_bytes": res.capacity * record_bytes, "decode_s": res.decode_s, "record_bytes": record_bytes,
         "expert_format": layout.quant if layout.quant != "none" else str(layout.dtype).removeprefix("torch."),
         "tokens_match": tokens_match, "tokens_sha256": tokens_sha256(res.tokens()), "bound_tokens_per_s": bound,
-        "measured_in": cfg.experiment, "layer_m_max": layer_budgets_label(cfg.layers),
+        "measured_in": cfg.experiment, "layer_m_max": layer_budgets_label(cfg.layers), "lookahead": cfg.ahead,
     }
 
 
@@ -357,7 +387,7 @@ def measure_block(harness: Harness, configs: dict[int, RunConfig], lockstep: boo
     """The runs of one (experiment, repeat) block, by position: one after another in the block's order, or, with
     ``lockstep``, all at once, token by token in a random order every token (:meth:`Harness.run_lockstep`)."""
     kwargs = {pos: {"policy": c.policy, "storage": c.storage, "m_max": c.m_max, "compute_opt": c.compute_opt,
-                    "record": True, "layer_m_max": c.layers} for pos, c in configs.items()}
+                    "record": True, "layer_m_max": c.layers, "lookahead": c.ahead} for pos, c in configs.items()}
     if lockstep and kwargs:
         return dict(zip(kwargs, harness.run_lockstep(list(kwargs.values()), seed=seed)))
     return {pos: harness.run(**kw) for pos, kw in kwargs.items()}
@@ -400,8 +430,12 @@ def _plan_blocks(settings: dict[str, Any], profile: dict[str, Any],
                  experiments: Iterable[str] | None) -> tuple[dict[str, list[RunConfig]], list[Block]]:
     """The plan (each storage at its budget from :mod:`~specprefetch.runtime.core.budget`) and its blocks."""
     m_max = storage_budgets(settings, profile)
-    plan = plan_experiments(settings, m_max, experiments or settings["experiments"],
-                            layer_budgets(settings, profile, m_max), rule_budgets(settings, profile))
+    exps = list(experiments or settings["experiments"])
+    ahead = settings.get("lookahead") or {}
+    ahead_m = (lookahead_budgets(settings, profile, {st: m_max[st] for st in ahead.get("storages", [])},
+                                 ahead.get("distances", [1])) if "lookahead" in exps else None)
+    plan = plan_experiments(settings, m_max, exps, layer_budgets(settings, profile, m_max),
+                            rule_budgets(settings, profile), ahead_m)
     blocks = storage_blocks(plan, settings["max_block_runs"])
     repeats = int(settings["repeats"])
     max_repeats = int(settings["max_repeats"] or repeats)

@@ -119,13 +119,16 @@ class Harness:
                                                   pin_memory=self.device.type == "cuda")
         return self._readers[storage]
 
-    def provider(self, policy: str) -> PriorityProvider | None:
+    def provider(self, policy: str, lookahead: int = 1) -> PriorityProvider | None:
+        """The priority provider of a run of ``policy`` that prefetches ``lookahead`` layers ahead."""
+        from specprefetch.predictors.base import ahead_name
+
         pol = POLICY[policy]
         if not pol.predicts:
             return None
         if pol.provider is None:  # Naive Prefetch: the previous token's experts
-            return builtin_provider(policy, len(self.blocks), self.store.n_experts)
-        key = pol.provider
+            return builtin_provider(policy, len(self.blocks), self.store.n_experts, lookahead)
+        key = ahead_name(str(pol.provider), lookahead)
         if key not in self.providers:
             raise SpecPrefetchError(f"policy {policy!r} needs a {key} predictor, none was given")
         return self.providers[key]()
@@ -180,26 +183,30 @@ class Harness:
 
     def runtime(self, policy: str, storage: str, m_max: int = 0, compute_opt: bool = True, record: bool = False,
                 preload: bool = False, capacity: int | None = None, topm_absent: tuple[int, ...] = (),
-                layer_m_max: tuple[int, ...] = ()) -> OffloadedRuntime:
-        """A fresh runtime for one run of ``policy`` on ``storage`` (not installed); its budget is
-        :func:`~specprefetch.runtime.core.budget.run_budget`'s (none for a policy without one)."""
+                layer_m_max: tuple[int, ...] = (), lookahead: int = 1) -> OffloadedRuntime:
+        """A fresh runtime for one run of ``policy`` on ``storage`` (not installed), prefetching ``lookahead`` layers
+        ahead; its budget is :func:`~specprefetch.runtime.core.budget.run_budget`'s (none for a policy without
+        one)."""
         budget = run_budget(policy, m_max, layer_m_max)
         if (preload or POLICY[policy].preload) and self._resident is None:
             self._resident = resident_pool(self.store, self.device)
         opts = RuntimeOptions(policy=policy, m_max=budget.m_max, layer_m_max=budget.layers,
                               capacity=capacity or self.capacity, compute_opt=compute_opt,
                               io_workers=int(self.settings["io_workers"]), io_retries=int(self.settings["io_retries"]),
-                              record_routing=record, preload=preload, topm_absent=topm_absent)
-        return OffloadedRuntime(self.model, self.store, self.reader(storage), opts, self.provider(policy),
+                              record_routing=record, preload=preload, topm_absent=topm_absent,
+                              lookahead=int(lookahead))
+        return OffloadedRuntime(self.model, self.store, self.reader(storage), opts, self.provider(policy, lookahead),
                                 spec=self.spec, device=self.device, resident=self._resident)
 
     def run(self, policy: str, storage: str, m_max: int = 0, compute_opt: bool = True, record: bool = False,
             preload: bool = False, capacity: int | None = None, topm_absent: tuple[int, ...] = (),
             max_new_tokens: int | None = None, prompts: list[Prompt] | None = None,
             on_runtime: Callable[[OffloadedRuntime], Any] | None = None,
-            layer_m_max: tuple[int, ...] = ()) -> RunResult:
-        """One measured run of ``policy`` (see the module docstring); ``layer_m_max``: per-layer budgets."""
-        rt = self.runtime(policy, storage, m_max, compute_opt, record, preload, capacity, topm_absent, layer_m_max)
+            layer_m_max: tuple[int, ...] = (), lookahead: int = 1) -> RunResult:
+        """One measured run of ``policy`` (see the module docstring); ``layer_m_max``: per-layer budgets;
+        ``lookahead``: how many layers ahead it prefetches."""
+        rt = self.runtime(policy, storage, m_max, compute_opt, record, preload, capacity, topm_absent, layer_m_max,
+                          lookahead)
         gens: list[Generation] = []
         n_new = int(max_new_tokens or self.settings["max_new_tokens"])
         gc.collect()

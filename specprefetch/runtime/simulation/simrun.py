@@ -28,7 +28,13 @@ from specprefetch.io import SpecPrefetchError, atomic_path
 from specprefetch.registry import runtime_providers
 from specprefetch.runtime.core.budget import profiled_physical_ms
 from specprefetch.runtime.core.storage import StorageProfile, delayed_device, make_profile
-from specprefetch.runtime.measurement.bench import Signature, parse_layer_budgets, plan_experiments, write_runs_csv
+from specprefetch.runtime.measurement.bench import (
+    Signature,
+    parse_layer_budgets,
+    plan_experiments,
+    run_lookahead,
+    write_runs_csv,
+)
 from specprefetch.runtime.simulation.platforms import (
     calibrate_bandwidth,
     compute_profile_of,
@@ -48,7 +54,7 @@ from specprefetch.runtime.simulation.simulator import (
 log = logging.getLogger(__name__)
 
 VALIDATION_COLUMNS = ["inputs", "platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt",
-                      "layer_m_max", "metric", "measured", "simulated", "rel_error", "n_repeats"]
+                      "layer_m_max", "lookahead", "metric", "measured", "simulated", "rel_error", "n_repeats"]
 METRICS = ("tokens_per_s", "ready_recall", "hits", "misses", "prefetched", "wasted", "stall_ms")
 
 
@@ -169,7 +175,8 @@ def _simulate_run(run: dict[str, Any], seqs: list[SimSequence], profile: dict[st
     m = run["row"]
     res = simulate(seqs, m["policy"], int(m["m_max"]), int(m["capacity_experts"]), int(profile["n_experts"]),
                    int(profile["top_k"]), compute, storage, int(profile["io_workers"]), bool(m["compute_opt"]),
-                   fixed_transfer_s=fixed, layer_m_max=parse_layer_budgets(m.get("layer_m_max"), int(m["m_max"])))
+                   fixed_transfer_s=fixed, layer_m_max=parse_layer_budgets(m.get("layer_m_max"), int(m["m_max"])),
+                   lookahead=run_lookahead(m))
     return {"tokens_per_s": res.tokens_per_s, **{k: float(getattr(res.stats, k)) for k in METRICS[1:]}}
 
 
@@ -203,7 +210,7 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
         for inputs, got in sims.items():
             for metric in METRICS:
                 measured = statistics.fmean(float(r[metric]) for r in repeats)
-                rows.append({"inputs": inputs, **{k: m.get(k, "") for k in VALIDATION_COLUMNS[1:9]},
+                rows.append({"inputs": inputs, **{k: m.get(k, "") for k in VALIDATION_COLUMNS[1:10]},
                              "metric": metric, "measured": measured, "simulated": float(got[metric]),
                              "rel_error": relative_error(float(got[metric]), measured), "n_repeats": len(repeats)})
     return rows + _speedup_rows(record["runs"], simulated)
@@ -237,7 +244,7 @@ def _speedup_rows(runs: Mapping[str, Any], simulated: Mapping[str, Mapping[str, 
         for inputs, tps in simulated[key].items():
             off_tps = simulated[off_key].get(inputs, float("nan"))
             sim = tps / off_tps if off_tps > 0 else float("nan")
-            rows.append({"inputs": inputs, **{k: m.get(k, "") for k in VALIDATION_COLUMNS[1:9]}, "metric": "speedup",
+            rows.append({"inputs": inputs, **{k: m.get(k, "") for k in VALIDATION_COLUMNS[1:10]}, "metric": "speedup",
                          "measured": measured, "simulated": sim, "rel_error": relative_error(sim, measured),
                          "n_repeats": len(shared)})
     return rows
@@ -282,7 +289,7 @@ def simulate_platform(platform: str, model: str, arch: str, trace_readers: Seque
     log.info("%s: NVMe bandwidth fitted to OFF = %.3f tok/s: %.0f MB/s", platform, p["off_tokens_per_s"], bw)
     m_max = platform_m_max(p, settings, bw, compute, n_experts)  # runtime.core.budget's rule or the configured one
     s = {**settings, "reference_storage": "nvme_cold"}
-    plan = plan_experiments(s, m_max, [e for e in experiments if e not in ("component", "budget")])
+    plan = plan_experiments(s, m_max, [e for e in experiments if e not in ("component", "budget", "lookahead")])
     rows = []
     results: dict[Signature, Any] = {}  # deterministic: a configuration of several experiments is simulated once
     for exp, configs in plan.items():

@@ -283,9 +283,11 @@ class ReplayPriority(PriorityProvider):
     produced), else those of ``live`` -- the provider the runtime runs, fed the replayed routing (Naive Prefetch's,
     :func:`~specprefetch.runtime.core.priority.builtin_provider`). ``empty_when_zero`` is the producing provider's."""
 
-    def __init__(self, policy: str, live: PriorityProvider | None, empty_when_zero: bool) -> None:
+    def __init__(self, policy: str, live: PriorityProvider | None, empty_when_zero: bool,
+                 lookahead: int = 1) -> None:
         self.policy = policy
         self.live = live
+        self.lookahead = int(lookahead)  # the recorded priorities of layer l are for layer l + lookahead
         self.name = live.name if live is not None else policy
         self.empty_when_zero = empty_when_zero
         self.step = -1
@@ -314,19 +316,19 @@ class ReplayPriority(PriorityProvider):
             self.live.observe(layer, top_k_index, top_k_weights)
 
 
-def replay_provider(policy: str, n_layers: int, n_experts: int) -> ReplayPriority | None:
-    """The simulator's provider of ``policy`` (None: it does not predict): recorded priorities, else the runtime's
-    built-in provider; ``empty_when_zero`` from the provider that produced them (the built-in one, or the trained
-    predictor's class)."""
+def replay_provider(policy: str, n_layers: int, n_experts: int, lookahead: int = 1) -> ReplayPriority | None:
+    """The simulator's provider of ``policy`` (None: it does not predict) ``lookahead`` layers ahead: recorded
+    priorities, else the runtime's built-in provider; ``empty_when_zero`` from the provider that produced them (the
+    built-in one, or the trained predictor's class)."""
     pol = POLICY[policy]
     if not pol.predicts:
         return None
-    live = builtin_provider(policy, n_layers, n_experts)
+    live = builtin_provider(policy, n_layers, n_experts, lookahead)
     if live is not None:
-        return ReplayPriority(policy, live, live.empty_when_zero)
+        return ReplayPriority(policy, live, live.empty_when_zero, lookahead)
     from specprefetch.predictors.base import predictor_class
 
-    return ReplayPriority(policy, None, bool(predictor_class(str(pol.provider)).empty_when_zero))
+    return ReplayPriority(policy, None, bool(predictor_class(str(pol.provider)).empty_when_zero), lookahead)
 
 
 class _SimWork:
@@ -388,9 +390,10 @@ class SimResult:
 def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity: int, n_experts: int,
              top_k: int, compute: ComputeProfile, storage: StorageProfile, io_workers: int = 4,
              compute_opt: bool = True, sync: bool = False, fixed_transfer_s: float | None = None,
-             preload: bool = False, layer_m_max: Sequence[int] = ()) -> SimResult:
+             preload: bool = False, layer_m_max: Sequence[int] = (), lookahead: int = 1) -> SimResult:
     """Replay ``sequences`` under ``policy`` (see the module docstring); returns counters and throughput.
-    ``layer_m_max``: per-layer budgets (index: the layer prefetched into), as the runtime's option."""
+    ``layer_m_max``: per-layer budgets (index: the layer prefetched into) and ``lookahead`` (layer l prefetches into
+    l + lookahead), as the runtime's options."""
     if policy not in POLICIES:
         raise SimulationError(f"unknown policy {policy!r}")
     if not sequences or not sequences[0].steps:
@@ -406,7 +409,7 @@ def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity
     if preload:
         cache.preload((l, e) for l in range(n_layers) for e in range(n_experts))
     io = _SimIO(cache, storage, io_workers, compute.io_overhead_s, fixed_transfer_s)
-    replay = replay_provider(policy, n_layers, n_experts)
+    replay = replay_provider(policy, n_layers, n_experts, lookahead)
     loop = LayerLoop(cache, io, replay, pol.issues, n_layers, n_experts,
                      lambda layer: layer_budget(m_max, layer_m_max, layer),
                      compute_opt=compute_opt, sync=sync, load_error=_transfer_lost)
