@@ -717,8 +717,9 @@ def test_lookahead_figure_per_model_workload_and_method(rendered: Path, cfg: dic
 
 
 def _lookahead_runs() -> pd.DataFrame:
-    """runs.csv with the runtime's lookahead experiment: per storage OFF and SpecPrefetch at d = 1, 2, 3, each
-    repeat's runs sharing one drift (paired), the budget growing with d."""
+    """runs.csv with the runtime's lookahead experiment: per storage OFF and SpecPrefetch at d = 1, 2, 3, the budget
+    growing with d, and the controls (one layer ahead at d's budget, 3 % slower), each repeat's runs sharing one
+    drift (paired)."""
     rng = np.random.default_rng(3)
     rows = []
     for storage, off, per_d in (("nvme_cold", 3.75, {1: (4, 1.07), 2: (8, 1.12), 3: (12, 1.09)}),
@@ -726,6 +727,7 @@ def _lookahead_runs() -> pd.DataFrame:
         for r in range(5):
             drift = 1.0 + rng.normal(0, 0.04)
             runs = [("off", 0, 1.0, "", 1)] + [("specprefetch", m, g, 0.8, d) for d, (m, g) in per_d.items()]
+            runs += [("specprefetch", m, g * 0.97, 0.7, 1) for d, (m, g) in per_d.items() if d > 1]  # the controls
             rows += [{"platform": "cpu-local", "model": "tiny-deepseek-vl2", "experiment": "lookahead", "policy": p,
                       "storage": storage, "m_max": m, "compute_opt": True, "repeat": r,
                       "tokens_per_s": round(off * g * drift * (1 + rng.normal(0, 0.01)), 4), "ready_recall": rr,
@@ -758,11 +760,22 @@ def test_lookahead_figure_runtime_row_pairs_each_distance_with_its_off(cfg: dict
         part = la[la["storage"] == storage]
         off = part[part["policy"] == "off"].set_index("repeat")["tokens_per_s"]
         for d, m in zip((1, 2, 3), (4, 8, 12) if storage == "nvme_cold" else (1, 2, 3), strict=True):
-            spec = part[(part["policy"] == "specprefetch") & (part["lookahead"] == d)].set_index("repeat")
+            spec = part[(part["policy"] == "specprefetch") & (part["lookahead"] == d)
+                        & (part["m_max"] == m)].set_index("repeat")
             gain = doc[f"runtime/{storage}/d{d}/gain"]
             assert gain.value == pytest.approx(((spec["tokens_per_s"] / off - 1) * 100).mean())
             assert gain.has_ci and gain.lo < gain.value < gain.hi and gain.keys["m_max"] == m
             assert doc[f"runtime/{storage}/d{d}/throughput"].value == pytest.approx(spec["tokens_per_s"].mean())
+            if d == 1:
+                assert f"runtime/{storage}/d1/control/gain" not in doc and f"runtime/{storage}/d1/window_gain" not in doc
+                continue
+            ctrl = part[(part["policy"] == "specprefetch") & (part["lookahead"] == 1)
+                        & (part["m_max"] == m)].set_index("repeat")
+            assert doc[f"runtime/{storage}/d{d}/control/throughput"].value == pytest.approx(ctrl["tokens_per_s"].mean())
+            assert doc[f"runtime/{storage}/d{d}/control/throughput"].keys["lookahead"] == 1
+            win = doc[f"runtime/{storage}/d{d}/window_gain"]
+            assert win.value == pytest.approx(((spec["tokens_per_s"] / ctrl["tokens_per_s"] - 1) * 100).mean())
+            assert win.value == pytest.approx(100 / 0.97 - 100, abs=1.5) and win.keys["m_max"] == m
         assert doc[f"runtime/{storage}/OFF/throughput"].value == pytest.approx(off.mean())
     assert res.doc.meta["runtime"]["m_max"]["slow_ufs"] == {"1": 1, "2": 2, "3": 3}
     assert "5 repeats" in res.doc.meta["runtime"]["note"]

@@ -592,16 +592,20 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     assert {r["component"] for r in lat} == {"attention", "router", "expert_load", "moe_compute", "other"}
     with open(tmp_path / "runs.csv") as f:
         got = list(csv.DictReader(f))
-    assert list(got[0])[:17] == RUN_COLUMNS[:17] and len(got) == len(rows) == 6 + 8 + 4 + 3
     # the lookahead experiment: OFF and d = 1 are the component block's runs (same configuration), d = 2 its own run,
-    # at the window rule's budget on two windows
-    ahead_rows = {int(r["lookahead"]): r for r in got if r["experiment"] == "lookahead" and r["policy"] != "off"}
-    assert set(ahead_rows) == {1, 2} and all(r["lookahead"] == "1" for r in got if r["experiment"] != "lookahead")
-    assert ahead_rows[1]["measured_in"] == "component" and ahead_rows[2]["measured_in"] == "lookahead"
+    # at the window rule's budget on two windows, and its control, d = 1 at d = 2's budget (unless that is d = 1's)
     from specprefetch.runtime.core.budget import derive_m_max
 
-    assert int(ahead_rows[2]["m_max"]) == derive_m_max(2 * prof["window_ms_median"],
-                                                       prof["transfer_ms_used"]["nvme_cold"], spec.n_experts)
+    m1 = int(prof["m_max_per_storage"]["nvme_cold"])
+    m2 = derive_m_max(2 * prof["window_ms_median"], prof["transfer_ms_used"]["nvme_cold"], spec.n_experts)
+    control = int(m2 != m1)
+    assert list(got[0])[:17] == RUN_COLUMNS[:17] and len(got) == len(rows) == 6 + 8 + 4 + 3 + control
+    ahead_rows = {(int(r["lookahead"]), int(r["m_max"])): r for r in got
+                  if r["experiment"] == "lookahead" and r["policy"] != "off"}
+    assert set(ahead_rows) == {(1, m1), (2, m2), (1, m2)}
+    assert all(r["lookahead"] == "1" for r in got if r["experiment"] != "lookahead")
+    assert ahead_rows[(1, m1)]["measured_in"] == "component" and ahead_rows[(2, m2)]["measured_in"] == "lookahead"
+    assert ahead_rows[(1, m2)]["measured_in"] == ("lookahead" if control else "component")
     assert {r["policy"] for r in got if r["experiment"] == "main"} == set(POLICIES)
     assert {(r["compute_opt"], r["policy"]) for r in got if r["experiment"] == "component"} == {
         ("false", "off"), ("false", "specprefetch"), ("true", "off"), ("true", "specprefetch")}
@@ -626,7 +630,8 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         ("true", "component", "nvme_cold#2"), ("false", "component", "nvme_cold#2")}
     assert by[("component", "off", "nvme_cold", "true")]["tokens_sha256"] == by[("main", "off", "nvme_cold",
                                                                                  "true")]["tokens_sha256"]
-    assert len({(r["block"], r["run_order"]) for r in got}) == 6 + 5 + 4  # runs: main's, component's + d2, slow_ufs's
+    # runs: main's, component's + d2 (+ its control), slow_ufs's
+    assert len({(r["block"], r["run_order"]) for r in got}) == 6 + 5 + control + 4
     from specprefetch.contracts import ROUTING_FORMAT, load_tensor_tree
     from specprefetch.runtime.simulation.simrun import check_routing_record
 
@@ -645,7 +650,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     for v in speed:
         row = next(r for r in rows if r["policy"] == v["policy"] and r["experiment"] == v["experiment"]
                    and r["storage"] == v["storage"] and r["compute_opt"] == v["compute_opt"]
-                   and int(r["lookahead"]) == int(v["lookahead"]))
+                   and int(r["lookahead"]) == int(v["lookahead"]) and int(r["m_max"]) == int(v["m_max"]))
         want = float(row["tokens_per_s"]) / rows_by[(row["block"], "off", row["compute_opt"])]
         assert v["measured"] == pytest.approx(want, rel=1e-3) and v["n_repeats"] == 1
     assert all(v == v for e in err.values() for v in (e["tokens_per_s"], e["hits"]))
@@ -1414,3 +1419,21 @@ def test_a_run_against_the_trained_models_decode() -> None:
     assert against_trained(res, trained) == {"tokens_match_trained": False, "routing_diff_trained": 1,
                                              "routing_sets": 2}
     assert against_trained(res, None) == {}
+
+
+def test_lookahead_plan_holds_each_distance_and_its_same_budget_control() -> None:
+    """Per storage: OFF, SpecPrefetch at each d at its budget, and d = 1 at every other d's budget (the control that
+    separates the longer window from the larger budget); a control that is already a run is not measured twice."""
+    from specprefetch.config import section_defaults
+    from specprefetch.runtime.measurement.bench import plan_experiments
+
+    s = section_defaults("device", {"lookahead": {"distances": [1, 2, 3], "storages": ["nvme_cold", "slow_ufs"]}})
+    plan = plan_experiments(s, {"nvme_cold": 2, "slow_ufs": 1}, ["lookahead"],
+                            ahead_m_max={"nvme_cold": {1: 2, 2: 5, 3: 7}, "slow_ufs": {1: 1, 2: 1, 3: 2}})
+    got = {(c.storage, c.policy, c.ahead, c.m_max) for c in plan["lookahead"]}
+    assert got == {("nvme_cold", "off", 1, 0), ("nvme_cold", "specprefetch", 1, 2), ("nvme_cold", "specprefetch", 2, 5),
+                   ("nvme_cold", "specprefetch", 3, 7), ("nvme_cold", "specprefetch", 1, 5),
+                   ("nvme_cold", "specprefetch", 1, 7), ("slow_ufs", "off", 1, 0), ("slow_ufs", "specprefetch", 1, 1),
+                   ("slow_ufs", "specprefetch", 2, 1), ("slow_ufs", "specprefetch", 3, 2),
+                   ("slow_ufs", "specprefetch", 1, 2)}
+    assert len(plan["lookahead"]) == len(got)

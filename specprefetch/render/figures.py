@@ -712,17 +712,31 @@ def figure_recall_per_layer(per_layer: pd.DataFrame, cfg: Mapping[str, Any],
     return FigureResult(fig, doc)
 
 
-def lookahead_runtime(runs: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any]) -> tuple[pd.DataFrame, Any]:
-    """The runtime's lookahead experiment (``device.lookahead``): per storage, OFF and SpecPrefetch prefetching d
-    layers ahead, with SpecPrefetch's paired gain vs the block's OFF; summarized per (storage, policy, lookahead)
-    with ``tokens_per_s``, ``gain_pct``, ``ready_pct`` (and the bound when recorded). Empty when runs.csv has no
-    such experiment (it is not in the embedded default's experiments: config/overlays/extensions.yaml runs it)."""
+@dataclass
+class LookaheadRuntime:
+    """The runtime's lookahead experiment, summarized (:func:`lookahead_runtime`)."""
+
+    points: pd.DataFrame   # per (storage, kind, d): kind "ahead" (d layers ahead at M(d)) or "control" (1 at M(d))
+    off: pd.DataFrame      # per storage: OFF's throughput
+    window: pd.DataFrame   # per (storage, d > 1): the paired gain of d ahead over 1 ahead at the same budget M(d)
+    budgets: dict[str, dict[int, int]]
+    model: str
+    platform: str
+    note: str
+
+
+def lookahead_runtime(runs: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any]) -> LookaheadRuntime | None:
+    """The runtime's lookahead experiment (``device.lookahead``; None when runs.csv has none -- the embedded default
+    does not run it, config/overlays/extensions.yaml does): per storage OFF, SpecPrefetch prefetching d layers ahead
+    at the budget M(d), and the control, one layer ahead at M(d) (``M(1)``: the smallest budget one layer ahead).
+    Summarized with the paired gain vs the block's OFF, ReadyRecall and the bound when recorded; ``window``: per
+    repeat tps(d ahead, M(d)) / tps(1 ahead, M(d)) - 1, what the longer window adds at the same budget."""
     sel = select_device(runs, path, cfg)
     rows = runs[(runs["platform"] == sel.platform) & (runs["model"] == sel.model)
                 & (runs["source"] == sel.sources[0]) & (runs["experiment"] == "lookahead")]
     rows = rows[rows["policy"].isin(["off", "specprefetch"])]
     if rows.empty:
-        return pd.DataFrame(), sel
+        return None
     require_rows(rows, path, "the look-ahead figure's runtime row", policy="specprefetch")
     ahead = pd.to_numeric(rows["lookahead"], errors="coerce") if "lookahead" in rows.columns else None
     rows = rows.assign(lookahead=1 if ahead is None else ahead.fillna(1).astype(int))
@@ -731,46 +745,82 @@ def lookahead_runtime(runs: pd.DataFrame, path: Path | str, cfg: Mapping[str, An
     if bound_values(g, path) is not None:
         g = g.assign(**{BOUND_COLUMN: pd.to_numeric(g[BOUND_COLUMN], errors="coerce")})
         extra = [BOUND_COLUMN]
-    summ = summarize(g, ["storage", "policy", "lookahead"], ["tokens_per_s", "gain_pct", "ready_pct", *extra])
-    m_max = g.groupby(["storage", "policy", "lookahead"])["m_max"].agg(lambda v: sorted(set(v.dropna().astype(int))))
-    summ["m_max"] = [m_max[(r.storage, r.policy, r.lookahead)] for r in summ.itertuples()]
-    return summ.assign(model=sel.model, note=repeats_note(g)), sel
+    spec = g[g["policy"] == "specprefetch"].assign(m_max=lambda d: d["m_max"].astype(int))
+    parts, budgets, window = [], {}, []
+    for st, gs in spec.groupby("storage", sort=False):
+        budgets[st] = {}
+        for d, gd in gs.groupby("lookahead", sort=True):
+            ms = sorted(set(gd["m_max"]))
+            if int(d) > 1 and len(ms) > 1:
+                raise RenderInputError(f"{path}: SpecPrefetch {d} layers ahead on {st!r} ran at several budgets "
+                                       f"({ms}; column 'm_max'): one budget per distance")
+            budgets[st][int(d)] = ms[0]
+        for d, m in budgets[st].items():
+            mine = gs[(gs["lookahead"] == d) & (gs["m_max"] == m)]
+            ctrl = gs[(gs["lookahead"] == 1) & (gs["m_max"] == m)]
+            parts += [mine.assign(kind="ahead", d=d), ctrl.assign(kind="control", d=d)]
+            if d > 1 and not ctrl.empty:
+                pair = mine.merge(ctrl, on="repeat", suffixes=("", "_ctrl"))
+                window += [{"storage": st, "d": d, "repeat": r.repeat, "m_max": m,
+                            "window_pct": (r.tokens_per_s / r.tokens_per_s_ctrl - 1.0) * 100.0}
+                           for r in pair.itertuples()]
+    points = summarize(pd.concat(parts, ignore_index=True), ["storage", "kind", "d"],
+                       ["tokens_per_s", "gain_pct", "ready_pct", *extra])
+    win = pd.DataFrame(window)
+    win = summarize(win, ["storage", "d", "m_max"], ["window_pct"]) if not win.empty else win
+    off = summarize(g[g["policy"] == "off"], ["storage"], ["tokens_per_s"])
+    return LookaheadRuntime(points, off, win, budgets, sel.model, sel.platform, repeats_note(g))
 
 
-def _lookahead_runtime_panel(ax: Any, summ: pd.DataFrame, storage: str, cells: list[Cell]) -> dict[str, Any]:
-    """One storage of the runtime row: SpecPrefetch's throughput vs d (95 % CI, gain and budget on each point), OFF's
-    as a band, the runtime's bound as ticks. Returns the budgets per d, for the JSON's meta."""
-    part = summ[summ["storage"] == storage]
-    off = part[part["policy"] == "off"]
-    spec = part[part["policy"] == "specprefetch"].sort_values("lookahead")
-    budgets: dict[str, Any] = {}
+def _lookahead_runtime_panel(ax: Any, rt: LookaheadRuntime, storage: str, cells: list[Cell]) -> None:
+    """One storage of the runtime row: SpecPrefetch's throughput d layers ahead at M(d) and, dashed, one layer ahead
+    at the same M(d) (95 % CIs; labels: the paired gain vs OFF and the budget), OFF's throughput as a band, the
+    runtime's bound as ticks."""
+    off = rt.off[rt.off["storage"] == storage]
     if not off.empty:
         o = off.iloc[0]
         ax.axhline(o["tokens_per_s_mean"], color=color("off"), linewidth=1.0, label=POLICY_LABELS["off"])
         ax.axhspan(o["tokens_per_s_lo"], o["tokens_per_s_hi"], color=color("off"), alpha=0.18, linewidth=0)
         cells.append(_stat_cell(f"runtime/{storage}/OFF/throughput", "throughput", o["tokens_per_s_stats"],
                                 {"storage": storage, "policy": POLICY_LABELS["off"]}))
+    part = rt.points[rt.points["storage"] == storage]
     c = color("specprefetch")
-    ax.errorbar(spec["lookahead"], spec["tokens_per_s_mean"],
-                yerr=_yerr(spec["tokens_per_s_mean"], spec["tokens_per_s_lo"], spec["tokens_per_s_hi"]), color=c,
-                marker="o", markersize=3, linewidth=1.4, elinewidth=0.8, capsize=2, label=POLICY_LABELS["specprefetch"])
     bound = f"{BOUND_COLUMN}_mean"
-    if bound in spec.columns and spec[bound].notna().any():
-        ax.plot(spec["lookahead"], spec[bound], marker="_", markersize=9, markeredgewidth=1.4, color="black",
-                linestyle="none", label="bound")
-    for r in spec.itertuples():
-        d, m = int(r.lookahead), r.m_max
-        key = {"storage": storage, "policy": POLICY_LABELS["specprefetch"], "d": d,
-               "m_max": m[0] if len(m) == 1 else str(m)}
-        budgets[str(d)] = key["m_max"]
-        cells.append(_stat_cell(f"runtime/{storage}/d{d}/throughput", "throughput", r.tokens_per_s_stats, key))
-        cells.append(_stat_cell(f"runtime/{storage}/d{d}/gain", "gain", r.gain_pct_stats, key))
-        if r.ready_pct_stats is not None:
-            cells.append(_stat_cell(f"runtime/{storage}/d{d}/ready_recall", "ready_recall", r.ready_pct_stats, key))
-        ax.annotate(f"{_gain_label(r.gain_pct_stats.mean)}\n$M$={key['m_max']}", xy=(d, r.tokens_per_s_hi),
-                    xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=5.5, color=c)
+    for kind, style, label in (("ahead", "-", f"{POLICY_LABELS['specprefetch']}, $d$ ahead"),
+                               ("control", "--", "1 ahead, same $M$")):
+        pts = part[part["kind"] == kind].sort_values("d")
+        if pts.empty:
+            continue
+        ax.errorbar(pts["d"] + (0.08 if kind == "control" else 0.0), pts["tokens_per_s_mean"],
+                    yerr=_yerr(pts["tokens_per_s_mean"], pts["tokens_per_s_lo"], pts["tokens_per_s_hi"]), color=c,
+                    linestyle=style, marker="o" if kind == "ahead" else "s", markersize=3 if kind == "ahead" else 2.5,
+                    linewidth=1.4 if kind == "ahead" else 0.9, elinewidth=0.8, capsize=2, label=label,
+                    alpha=1.0 if kind == "ahead" else 0.75)
+        for r in pts.itertuples():
+            d = int(r.d)
+            if kind == "control" and d == 1:
+                continue  # one layer ahead at M(1) is the d = 1 point itself
+            key = {"storage": storage, "policy": POLICY_LABELS["specprefetch"], "d": d,
+                   "lookahead": d if kind == "ahead" else 1, "m_max": rt.budgets[storage][d]}
+            base = f"runtime/{storage}/d{d}" + ("" if kind == "ahead" else "/control")
+            cells.append(_stat_cell(f"{base}/throughput", "throughput", r.tokens_per_s_stats, key))
+            cells.append(_stat_cell(f"{base}/gain", "gain", r.gain_pct_stats, key))
+            if r.ready_pct_stats is not None:
+                cells.append(_stat_cell(f"{base}/ready_recall", "ready_recall", r.ready_pct_stats, key))
+            if kind == "ahead":
+                top = max(r.tokens_per_s_hi, getattr(r, bound, float("nan")) if bound in pts.columns else 0.0)
+                if bound in pts.columns and math.isfinite(getattr(r, bound)):
+                    ax.plot([d], [getattr(r, bound)], marker="_", markersize=9, markeredgewidth=1.4,
+                            color="black", linestyle="none", label="bound" if d == int(pts["d"].min()) else None)
+                ax.annotate(f"{_gain_label(r.gain_pct_stats.mean)}\n$M$={key['m_max']}", xy=(d, top),
+                            xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=5.5,
+                            color=c)
+    win = rt.window[rt.window["storage"] == storage] if not rt.window.empty else rt.window
+    for r in win.itertuples():
+        cells.append(_stat_cell(f"runtime/{storage}/d{int(r.d)}/window_gain", "gain", r.window_pct_stats,
+                                {"storage": storage, "d": int(r.d), "m_max": int(r.m_max),
+                                 "vs": f"1 ahead at M={int(r.m_max)}"}))
     ax.set_title(storage_label(storage), loc="left")
-    return budgets
 
 
 def figure_lookahead(lookahead: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "lookahead.csv",
@@ -788,8 +838,8 @@ def figure_lookahead(lookahead: pd.DataFrame, cfg: Mapping[str, Any], path: Path
     workloads = [w for w in cfg["workloads"] if w in set(lookahead["workload"])]
     columns = [*workloads, None]  # None: the mean over workloads
     methods = [m for m in METHOD_ORDER if m in set(lookahead["method"])]
-    rt, sel = lookahead_runtime(runs, runs_path, cfg) if runs is not None else (pd.DataFrame(), None)
-    rt_storages = [s for s in STORAGE_ORDER if not rt.empty and s in set(rt["storage"])]
+    rt = lookahead_runtime(runs, runs_path, cfg) if runs is not None else None
+    rt_storages = [s for s in STORAGE_ORDER if rt is not None and s in set(rt.points["storage"])]
     if len(rt_storages) > len(columns):
         raise RenderInputError(f"{runs_path}: the lookahead experiment has {len(rt_storages)} storages, more than "
                                f"the figure's {len(columns)} columns")
@@ -831,22 +881,24 @@ def figure_lookahead(lookahead: pd.DataFrame, cfg: Mapping[str, Any], path: Path
                     ax.set_xlabel("Look-ahead $d$")
             axes[i, 0].set_ylabel(f"{_display(cfg, m)}\nR@{k} (%)")
         meta_rt: dict[str, Any] = {}
-        if rt_storages:
+        if rt is not None and rt_storages:
             last = axes[-1]
             for j, ax in enumerate(last):
                 if j < len(rt_storages):
-                    meta_rt[rt_storages[j]] = _lookahead_runtime_panel(ax, rt, rt_storages[j], cells)
+                    _lookahead_runtime_panel(ax, rt, rt_storages[j], cells)
                     ax.set_xlabel("Look-ahead $d$")
                 else:
                     ax.set_axis_off()
-            top = rt[[c for c in ("tokens_per_s_hi", f"{BOUND_COLUMN}_mean") if c in rt.columns]].max().max()
-            last[0].set_ylim(0, float(top) * 1.3)  # room for the labels (one y axis for the row)
-            last[0].set_ylabel(f"Runtime, {_display(cfg, sel.model)}\nThroughput (tok/s)")
+            cols = [c for c in ("tokens_per_s_hi", f"{BOUND_COLUMN}_mean") if c in rt.points.columns]
+            last[0].set_ylim(0, float(rt.points[cols].max().max()) * 1.3)  # room for the labels (one y per row)
+            last[0].set_ylabel(f"Runtime, {_display(cfg, rt.model)}\nThroughput (tok/s)")
             spare = last[len(rt_storages)] if len(rt_storages) < len(last) else None
-            (spare or last[0]).legend(*last[0].get_legend_handles_labels(), frameon=False, fontsize=6,
-                                      loc="center left" if spare is not None else "lower left")
-            meta_rt = {"model": sel.model, "platform": sel.platform, "m_max": meta_rt, "ci": CI_META,
-                       "note": str(rt["note"].iloc[0])}
+            leg = (spare or last[0]).legend(*last[0].get_legend_handles_labels(), frameon=False, fontsize=6,
+                                            loc="center left" if spare is not None else "lower left")
+            leg.set_in_layout(False)  # drawn in the spare panel's room: it must not shrink the panels
+            meta_rt = {"model": rt.model, "platform": rt.platform,
+                       "m_max": {st: {str(d): m for d, m in b.items()} for st, b in rt.budgets.items()},
+                       "ci": CI_META, "note": rt.note}
         handles: dict[str, Any] = {}
         for ax in axes[:len(models)].flat:
             for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):

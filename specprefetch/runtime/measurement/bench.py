@@ -16,7 +16,8 @@ Experiments (the ``experiment`` column of ``runs.csv``), all on the same prompts
 - ``lookahead`` (beyond the paper): OFF vs SpecPrefetch prefetching ``d`` layers ahead (column ``lookahead``; a
   predictor trained at distance d, ``predictors.lookahead``) for every ``d`` of ``device.lookahead.distances``, on
   each of ``device.lookahead.storages``, at the window rule's budget on the window summed over d layers
-  (:func:`~specprefetch.runtime.core.budget.lookahead_budgets`).
+  (:func:`~specprefetch.runtime.core.budget.lookahead_budgets`), and as its control SpecPrefetch one layer ahead
+  at each of those budgets.
 
 The blocks of :func:`storage_blocks` measure the plan: a block holds whole experiments of one storage and measures
 every distinct configuration they run on it once per repeat, before repeat ``r+1`` starts: in lockstep, token by
@@ -180,10 +181,13 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
             ahead = settings.get("lookahead") or {}
             if not ahead_m_max:
                 raise SpecPrefetchError("experiment 'lookahead' needs the budgets per distance (the window profile)")
-            out[exp] = [c for st in ahead.get("storages", [ref]) for c in (
+            ds = [int(d) for d in ahead.get("distances", [1])]
+            # each d at its budget, and the control: d = 1 at that same budget (does the longer window pay, or the
+            # larger budget?); a control equal to a run of the list is that run
+            out[exp] = list({c.signature: c for st in ahead.get("storages", [ref]) for c in (
                 RunConfig(exp, "off", st, 0),
-                *(RunConfig(exp, "specprefetch", st, ahead_m_max[st][int(d)], lookahead=int(d))
-                  for d in ahead.get("distances", [1])))]
+                *(RunConfig(exp, "specprefetch", st, ahead_m_max[st][d], lookahead=d) for d in ds),
+                *(RunConfig(exp, "specprefetch", st, ahead_m_max[st][d]) for d in ds if d != 1))}.values())
         else:
             raise SpecPrefetchError(f"unknown experiment {exp!r}")
     return out
