@@ -234,7 +234,8 @@ def test_sweep_measures_every_rules_budget() -> None:
 def test_lookahead_budgets_sum_the_window_over_d_layers() -> None:
     """M_max at look-ahead d: the window rule on d windows (auto, window rule), d times the budget otherwise (a
     configured integer, the simulated rule), at most n_experts; d = 1 is the storage's budget. The lookahead
-    experiment measures OFF and SpecPrefetch at each distance on each of its storages."""
+    experiment measures OFF, SpecPrefetch at each distance and its control (1 ahead at that budget) on each of its
+    storages."""
     from specprefetch.runtime.core.budget import lookahead_budgets
     from specprefetch.runtime.measurement.bench import plan_experiments
 
@@ -252,10 +253,12 @@ def test_lookahead_budgets_sum_the_window_over_d_layers() -> None:
                             ahead_m_max=lookahead_budgets(s, prof, budgets, [1, 2]))
     got = [(c.policy, c.storage, c.budget, c.ahead, c.label) for c in plan["lookahead"]]
     assert got == [("off", "nvme_cold", 0, 1, "off"), ("specprefetch", "nvme_cold", 2, 1, "specprefetch M=2"),
-                   ("specprefetch", "nvme_cold", 5, 2, "specprefetch M=5 d=2"), ("off", "slow_ufs", 0, 1, "off"),
-                   ("specprefetch", "slow_ufs", 1, 1, "specprefetch M=1"),
-                   ("specprefetch", "slow_ufs", 2, 2, "specprefetch M=2 d=2")]
-    assert len({c.signature for c in plan["lookahead"]}) == 6 and plan["lookahead"][2].key.endswith("|d2")
+                   ("specprefetch", "nvme_cold", 5, 2, "specprefetch M=5 d=2"),
+                   ("specprefetch", "nvme_cold", 5, 1, "specprefetch M=5"),  # the control: 1 ahead at M(2)
+                   ("off", "slow_ufs", 0, 1, "off"), ("specprefetch", "slow_ufs", 1, 1, "specprefetch M=1"),
+                   ("specprefetch", "slow_ufs", 2, 2, "specprefetch M=2 d=2"),
+                   ("specprefetch", "slow_ufs", 2, 1, "specprefetch M=2")]
+    assert len({c.signature for c in plan["lookahead"]}) == 8 and plan["lookahead"][2].key.endswith("|d2")
     with pytest.raises(SpecPrefetchError, match="experiment 'lookahead' needs the budgets per distance"):
         plan_experiments(s, budgets, ["lookahead"])
 

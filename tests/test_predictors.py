@@ -803,11 +803,11 @@ def test_lookahead_training_and_recall(cfg: dict, corpus: Path, tmp_path: Path) 
     assert not (tmp_path / "fate.d3").exists()
 
 
-def test_runtime_refuses_a_lookahead_predictor() -> None:
-    """The runtime prefetches one layer ahead: a predictor of another distance is one line, not a silent misuse."""
+def test_runtime_provider_carries_the_predictors_distance() -> None:
+    """A predictor trained at distance d gives the runtime a provider that prefetches d layers ahead (the runtime
+    refuses one whose distance is not its own: tests/test_runtime.py); the paper's predictors are 1 ahead."""
     from specprefetch.runtime.core.priority import PredictorPriority
 
     dims = PredictorDims(n_layers=3, hidden_size=32, n_experts=16, top_k=4, lookahead=2)
-    with pytest.raises(SpecPrefetchError, match="predicts 2 layers ahead"):
-        PredictorPriority(build_predictor("specprefetch", None, dims))
-    PredictorPriority(build_predictor("specprefetch", None, DIMS))
+    assert PredictorPriority(build_predictor("specprefetch", None, dims)).lookahead == 2
+    assert PredictorPriority(build_predictor("specprefetch", None, DIMS)).lookahead == 1
