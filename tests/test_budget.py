@@ -4,6 +4,7 @@ budgets, which policies have one, and the simulated platform's budget from the s
 from __future__ import annotations
 
 import json
+import statistics
 import math
 from pathlib import Path
 from typing import Any
@@ -302,3 +303,144 @@ def test_the_disk_model_is_fitted_to_the_isolated_read_and_the_runtimes_service_
     assert d.latency_ms == 0.0 and d.transfer_s() * 1e3 == pytest.approx(1.6)
     fitted = disk_model({**prof, "transfer_ms_in_runtime": {"nvme_cold": float("nan")}}, {})
     assert (fitted.bandwidth_mbps, fitted.latency_ms, fitted.demand_first) == (2000.0, 0.5, True)
+
+
+# ------------------------------------------------------------------------------------------ beyond the paper: DP, EWMA
+def test_dp_allots_the_total_to_the_most_hits() -> None:
+    """The DP rule's allotment is exact (brute force over every allotment, non-concave values too): the most value
+    within the total, among equal values the smaller total; too small a total is one line."""
+    import itertools
+    import random
+
+    from specprefetch.runtime.core.budget import allot_layer_budgets
+
+    rng = random.Random(7)
+    for _ in range(40):
+        values = [{m: rng.choice([0.0, 0.5, 1.0, 1.5]) + 0.3 * m * rng.random() for m in range(1, 5)}
+                  for _ in range(3)]
+        total = rng.randint(3, 12)
+        got = allot_layer_budgets(values, total)
+        assert len(got) == 3 and sum(got) <= total
+        best = max(sum(v[m] for v, m in zip(values, ms)) for ms in itertools.product(range(1, 5), repeat=3)
+                   if sum(ms) <= total)
+        assert sum(v[m] for v, m in zip(values, got)) == pytest.approx(best)
+    flat = [{1: 1.0, 2: 1.0, 3: 1.0}] * 2  # nothing to gain beyond 1: the smallest total
+    assert allot_layer_budgets(flat, 6) == (1, 1)
+    assert allot_layer_budgets([{1: 0.2, 2: 0.9}, {1: 0.5, 2: 0.6}], 3) == (2, 1)  # the budget goes where it pays
+    assert allot_layer_budgets([], 4) == ()
+    with pytest.raises(BudgetError, match="need at least 3 transfers per token, the total is 2"):
+        allot_layer_budgets([{1: 1.0}] * 3, 2)
+
+
+def test_dp_budgets_come_from_the_profile_like_the_per_layer_window_rule() -> None:
+    prof = _profile(m_max_dp_per_layer={"nvme_cold": [2, 6, 4]})
+    assert layer_budgets(_settings(), prof, {"nvme_cold": 4, "nvme": 7}, "dp") == {"nvme_cold": (4, 2, 6, 4)}
+    assert layer_budgets(_settings(3), prof, {"nvme_cold": 3}, "dp") == {}
+    with pytest.raises(BudgetError, match=r"m_max_dp_per_layer\['nvme_cold'\] has 2 layers, expected 3"):
+        layer_budgets(_settings(), _profile(m_max_dp_per_layer={"nvme_cold": [2, 6]}), {"nvme_cold": 4}, "dp")
+
+
+class _Tr:
+    def __init__(self, step: int, t0: float, t1: float, state: str = "done", charged: bool = True) -> None:
+        self.step, self.t_start, self.t_end, self.state, self.charged = step, t0, t1, state, charged
+
+
+def test_ewma_budget_folds_the_runs_windows_and_transfers() -> None:
+    """The online rule: floor(d W / t) - queued, clamped to [1, n]; W and t move by the EWMA gain towards each
+    window and each finished step's service time (busy time over the transfers served; uncharged, failed and the
+    current step's transfers are not folded); unusable seeds are one line."""
+    from specprefetch.runtime.core.budget import EWMA_ALPHA, EwmaBudget, ewma_budgets
+
+    b = EwmaBudget(4.0, 1.0, 16)
+    assert [b.budget(0), b.budget(2), b.budget(10), b.budget(0, lookahead=2)] == [4, 2, 1, 8]
+    b.observe_window(12.0)
+    assert b.window_ms == pytest.approx(4.0 + EWMA_ALPHA * 8.0) and b.budget(0) == 5
+    b.observe_window(float("nan"))  # a layer that predicted nothing gives no window
+    assert b.window_ms == pytest.approx(5.0)
+    log = [_Tr(0, 0.0, 0.0), _Tr(1, 1.000, 1.002), _Tr(1, 1.001, 1.003), _Tr(1, 1.0, 1.1, "failed"),
+           _Tr(1, 1.0, 1.1, charged=False), _Tr(2, 2.0, 2.004)]
+    b.observe_transfers(log, step=2)  # step 1: busy 3 ms over 2 transfers; step 2 is still running
+    assert b.transfer_ms == pytest.approx(1.0 + EWMA_ALPHA * 0.5)
+    b.observe_transfers(log, step=2)  # nothing new
+    assert b.transfer_ms == pytest.approx(1.0 + EWMA_ALPHA * 0.5)
+    b.observe_transfers(log, step=3)
+    assert b.transfer_ms == pytest.approx(1.0625 + EWMA_ALPHA * (4.0 - 1.0625))
+    assert b.fresh().window_ms == 5.0 and b.fresh().transfer_ms == b.transfer_ms  # a new run starts from the seeds
+    assert EwmaBudget(100.0, 1.0, 16).budget(0) == 16
+    with pytest.raises(BudgetError, match="positive measured window and transfer time"):
+        EwmaBudget(0.0, 1.0, 16)
+    seeds = ewma_budgets({"window_ms_median": 3.0, "transfer_ms_used": {"nvme_cold": 1.5, "ufs": 6.0}}, 16)
+    assert {st: e.budget(0) for st, e in seeds.items()} == {"nvme_cold": 2, "ufs": 1} and ewma_budgets(None, 4) == {}
+
+
+def _sim_steps(n: int, k: int, L: int, steps: int, seed: int = 0) -> Any:
+    from specprefetch.runtime.simulation.simulator import SimSequence, SimStep
+
+    g = torch.Generator().manual_seed(seed)
+
+    def step() -> SimStep:
+        return SimStep(topk=[[torch.randperm(n, generator=g)[:k].tolist()] for _ in range(L)],
+                       scores=[torch.rand(n, generator=g) for _ in range(L - 1)] + [None])
+
+    return [SimSequence([step() for _ in range(steps)])]
+
+
+def test_ewma_budget_adapts_in_the_shared_loop() -> None:
+    """In the per-layer loop (here the simulator's; the runtime runs the same one): a window seeded 50 times too wide
+    starts at every expert and comes down towards what the run measures, one seeded 50 times too narrow starts at
+    one and goes up; every prediction records its budget, a fixed budget as given."""
+    from specprefetch.runtime.core.budget import EwmaBudget
+    from specprefetch.runtime.simulation.simulator import ComputeProfile, simulate
+
+    n, k, L = 16, 2, 4
+    comp = ComputeProfile.of({"book_s": [1e-4] * L, "moe_s": [1e-3] * L, "gap_s": [1e-3] * L, "head_s": 2e-3},
+                             {"pred_s": [3e-4] * L, "post_pred_s": [1e-4] * L})
+    from specprefetch.runtime.core.storage import StorageProfile
+
+    disk = StorageProfile("nvme_cold", "emulated", 2000.0, 0.0, 1_000_000)  # 0.5 ms per expert
+    seqs = _sim_steps(n, k, L, 30)
+    fixed = simulate(seqs, "specprefetch", 3, 40, n, k, comp, disk, io_workers=1)
+    assert {ev.m_max for ev in fixed.events if ev.n_tokens == 1 and ev.layer < L - 1} == {3}
+    true_w = statistics.median(w for w in _windows(fixed.events))
+    wide = simulate(seqs, "specprefetch", 3, 40, n, k, comp, disk, io_workers=1,
+                    ewma=EwmaBudget(50 * true_w, 0.5, n))
+    narrow = simulate(seqs, "specprefetch", 3, 40, n, k, comp, disk, io_workers=1,
+                      ewma=EwmaBudget(true_w / 50, 0.5, n))
+    for res, first in ((wide, n), (narrow, 1)):
+        ms = [ev.m_max for ev in res.events if ev.n_tokens == 1 and ev.m_max is not None]
+        assert ms[0] == first and len(ms) == 30 * (L - 1)
+        late = statistics.fmean(ms[-3 * (L - 1):])
+        assert (late < first) if first == n else (late > first)
+    off = simulate(seqs, "off", 0, 40, n, k, comp, disk, io_workers=1, ewma=EwmaBudget(true_w, 0.5, n))
+    assert all(ev.m_max is None for ev in off.events)  # a policy without a budget has no online rule either
+
+
+def _windows(events: Any) -> list[float]:
+    from specprefetch.runtime.measurement.window import per_layer_windows
+
+    return list(per_layer_windows(events).values())
+
+
+def test_budget_experiment_runs_the_extra_rules() -> None:
+    """device.extra_rules: the budget experiment adds SpecPrefetch at the DP rule's per-layer budgets and with the
+    online EWMA rule on every storage (its own configuration: same seed budget, another signature); the DP rule
+    without the profile's DP budgets is one line."""
+    from specprefetch.runtime.measurement.bench import plan_experiments
+
+    s = _settings(storages=["nvme_cold"], slow_storage="nvme_cold", extra_rules=["dp", "ewma"])
+    per_layer = {"nvme_cold": (2, 2, 3, 2)}
+    dp = {"nvme_cold": (2, 1, 4, 2)}
+    plan = plan_experiments(s, {"nvme_cold": 2}, ["budget"], per_layer, dp_m_max=dp)
+    assert [c.label for c in plan["budget"]] == ["off", "specprefetch M=2", "specprefetch M=2 per layer 2/3/2",
+                                                 "specprefetch M=2 per layer 1/4/2 (DP)",
+                                                 "specprefetch M=2 (EWMA)"]
+    assert plan["budget"][-1].key.endswith("|ewma") and len({c.signature for c in plan["budget"]}) == 5
+    # the DP rule landing on the window rule's per-layer budgets: a row of that run under the DP rule's name
+    same = plan_experiments(s, {"nvme_cold": 2}, ["budget"], per_layer, dp_m_max=per_layer)["budget"]
+    assert len(same) == 5 and len({c.signature for c in same}) == 4 and same[3].rule == "dp"
+    assert same[3].key == same[2].key  # one run, one routing record
+    only = plan_experiments(_settings(storages=["nvme_cold"], slow_storage="nvme_cold"), {"nvme_cold": 2},
+                            ["budget"], per_layer)
+    assert len(only["budget"]) == 3
+    with pytest.raises(SpecPrefetchError, match="no DP budgets for nvme_cold"):
+        plan_experiments(s, {"nvme_cold": 2}, ["budget"], per_layer)

@@ -667,6 +667,66 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     assert off["misses"]["rel_error"] == 0 and off["hits"]["rel_error"] == 0
 
 
+def test_budget_experiment_runs_the_dp_and_ewma_rules_and_the_simulator_replays_them(tmp_path: Path) -> None:
+    """device.extra_rules on a tiny model: profile-window writes the DP rule's per-layer budgets (the per-layer
+    window rule's total or less, each within the sweep's range); the budget experiment decodes SpecPrefetch at them
+    and with the online EWMA rule (runs.csv: budget_rule, and the mean budget it chose), both with the plain
+    model's tokens; the simulator replays the EWMA run with the same rule."""
+    import csv
+
+    from specprefetch.config import section_defaults
+    from specprefetch.models.routing import discover_routing
+    from specprefetch.runtime.core.priority import provider_factories
+    from specprefetch.runtime.measurement.bench import bench_runtime
+    from specprefetch.runtime.measurement.decode import Prompt
+    from specprefetch.runtime.measurement.session import Harness
+    from specprefetch.runtime.measurement.window import profile_window
+    from specprefetch.runtime.simulation.budget_model import budget_curves
+    from specprefetch.runtime.simulation.simrun import validate_simulator
+
+    model = tiny_deepseek()
+    spec = discover_routing(model)
+    store = ExpertStore(build_expert_store(model, tmp_path / "store", spec))
+    s = section_defaults("device", {"n_prompts": 1, "max_new_tokens": 6, "repeats": 1, "io_workers": 2,
+                                 "storages": ["nvme_cold"], "slow_storage": "nvme_cold", "experiments": ["budget"],
+                                 "extra_rules": ["dp", "ewma"], "sweep_m_max": [1, 2, 4],
+                                 "window": {"n_prompts": 1, "demand_m": [2, 4], "transfer_samples": 4},
+                                 "cache": {"capacity_experts": 8}})
+    prompts = [Prompt("p0", {"input_ids": torch.randint(0, VOCAB, (1, 6)), "attention_mask": torch.ones(1, 6).long()})]
+    providers = provider_factories({}, spec, "cpu")
+    adapter = random_adapter(spec)
+    providers["specprefetch"] = lambda: PredictorPriority(adapter)
+    h = Harness(model, spec, store, s, prompts, providers)
+    try:
+        prof = profile_window(h, "tiny", "test-cpu", tmp_path / "window",
+                              budget_model=lambda p, r: budget_curves(p, r, s))
+        rows = bench_runtime(h, prof, "tiny", "test-cpu", tmp_path / "runs.csv", routing_out=tmp_path / "r.st")
+    finally:
+        h.close()
+    dp = prof["m_max_dp_per_layer"]["nvme_cold"]
+    assert len(dp) == spec.n_layers - 1 and all(1 <= m <= 4 for m in dp)
+    assert sum(dp) <= sum(prof["m_max_per_layer"]["nvme_cold"]) and "dynamic programming" in prof["m_max_dp_rule"]
+    with open(tmp_path / "runs.csv") as f:
+        got = {(r["policy"], r["budget_rule"], r["layer_m_max"]): r for r in csv.DictReader(f)}
+    assert len(got) == len(rows)
+    by_rule = {rule: r for (pol, rule, _), r in got.items() if pol == "specprefetch"}
+    ewma, d = by_rule["ewma"], by_rule["dp"]
+    assert 1 <= float(ewma["m_max_mean"]) <= spec.n_experts and ewma["tokens_match"] == "true"
+    m = prof["m_max_per_storage"]["nvme_cold"]
+    assert int(ewma["m_max"]) == m  # the seed's budget
+    assert float(got[("specprefetch", "", "")]["m_max_mean"]) == m  # a fixed budget: the budget, every step
+    # the DP row: its per-layer budgets (none where they are the one budget: then it is that run, under its name)
+    assert d["layer_m_max"] == ("/".join(map(str, dp)) if any(x != m for x in dp) else "")
+    assert d["tokens_match"] == "true" and float(d["m_max_mean"]) == pytest.approx(sum(dp) / len(dp))
+    assert got[("off", "", "")]["m_max_mean"] in ("", "nan")
+    from specprefetch.contracts import ROUTING_FORMAT, load_tensor_tree
+
+    record = load_tensor_tree(tmp_path / "r.st", ROUTING_FORMAT, "routing record")
+    val = validate_simulator(record, prof, s)
+    assert {v["budget_rule"] for v in val if v["policy"] == "specprefetch"} == {"", "ewma"}
+    assert all(v["simulated"] > 0 for v in val if v["metric"] == "tokens_per_s")
+
+
 def test_widest_gain_ci_is_the_tables_ci_of_every_policy_gain_in_the_block() -> None:
     """The adaptive-repeats criterion: the widest paired-bootstrap half-width over every configuration but
     all-resident against every OFF of the block, with the pair it belongs to."""
@@ -702,7 +762,8 @@ def test_blocks_are_measured_in_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = [block(st) for st in noisy]
     calls: list[tuple[str, int]] = []
 
-    def measure(harness: Any, configs: dict[int, RunConfig], lockstep: bool, seed: str) -> dict[int, Any]:
+    def measure(harness: Any, configs: dict[int, RunConfig], lockstep: bool, seed: str,
+                online: Any = None) -> dict[int, Any]:
         _, name, r = seed.split("/")
         calls.append((name, int(r)))
         return {pos: (c, int(r)) for pos, c in configs.items()}
@@ -793,7 +854,7 @@ def test_blocks_measure_each_configuration_once_per_block() -> None:
         ("nvme_cold#3", ("component",), 4), ("slow_ufs", ("matched", "storage", "budget"), 4),
         ("nvme", ("storage", "budget"), 2), ("ufs", ("storage", "budget"), 2)]
     for b in small:
-        assert ("off", b.storage, 0, True, (), 1) in {c.signature for c in b.configs}
+        assert ("off", b.storage, 0, True, (), 1, "") in {c.signature for c in b.configs}
         for exp in b.experiments:  # every configuration of an experiment is in the one block that measures it
             assert {c.signature for c in plan[exp] if c.storage == b.storage} <= {c.signature for c in b.configs}
     assert {(e, b.storage) for b in small for e in b.experiments} == {

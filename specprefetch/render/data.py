@@ -167,7 +167,8 @@ def repeat_stats(values: pd.Series, repeats: pd.Series | None = None) -> RepeatS
     return RepeatStats(mean, std, ci.lo, ci.hi, ci.n, (float(vals.min()), float(vals.max())), by_rep)
 
 
-CONFIG_KEYS = ("experiment", "storage", "policy", "m_max", "compute_opt", "layer_m_max", "lookahead")  # one config
+# one configuration
+CONFIG_KEYS = ("experiment", "storage", "policy", "m_max", "compute_opt", "layer_m_max", "lookahead", "budget_rule")
 
 
 def repeat_count(rows: pd.DataFrame) -> int | str:

@@ -143,14 +143,20 @@ def rule_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | None)
     return out
 
 
+LAYER_RULE_KEYS = {"window": "m_max_per_layer", "dp": "m_max_dp_per_layer"}
+
+
 def layer_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any],
-                  budgets: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
+                  budgets: Mapping[str, int], rule: str = "window") -> dict[str, tuple[int, ...]]:
     """Per-layer budgets per storage of ``budgets`` (index: the layer prefetched into; layer 0's is the storage's
-    M_max): the window profile's ``m_max_per_layer`` when the budget is auto by the window rule; none (the one
-    budget) for a configured integer, the simulated rule, or a storage the profile has no per-layer budgets for."""
+    M_max) by ``rule`` (``LAYER_RULE_KEYS``: the window rule per layer, ``floor(W_l / t)``, or the DP allotment of
+    the same total, :func:`allot_layer_budgets`) from the window profile, when the budget is auto by the window rule;
+    none (the one budget) for a configured integer, the simulated rule, or a storage the profile has no per-layer
+    budgets for."""
     if not is_auto(settings["m_max"]) or budget_rule(settings) != "window":
         return {}
-    per = profile.get("m_max_per_layer") or {}
+    key = LAYER_RULE_KEYS[rule]
+    per = profile.get(key) or {}
     n_layers = int(profile.get("n_layers", 0))
     out = {}
     for st, m in budgets.items():
@@ -158,10 +164,45 @@ def layer_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any],
         if layers is None:
             continue
         if len(layers) != n_layers - 1:
-            raise BudgetError(f"window profile's m_max_per_layer[{st!r}] has {len(layers)} layers, expected "
+            raise BudgetError(f"window profile's {key}[{st!r}] has {len(layers)} layers, expected "
                               f"{n_layers - 1}: rerun profile-window")
         out[st] = (m, *(int(x) for x in layers))
     return out
+
+
+def allot_layer_budgets(values: Sequence[Mapping[int, float]], total: int) -> tuple[int, ...]:
+    """Per-layer budgets by dynamic programming (beyond the paper, after AdapMoE's per-layer allotment): the budgets
+    ``M_l`` (one per entry of ``values``, each a key of its mapping) of the largest ``sum_l values[l][M_l]`` with
+    ``sum_l M_l <= total``; among equal sums the smaller total, then the earlier layers' smaller budgets. ``values``
+    need not be concave (the DP is exact). An error when even the smallest budgets exceed ``total``."""
+    if not values:
+        return ()
+    floor_total = sum(min(v) for v in values)
+    if floor_total > total:
+        raise BudgetError(f"the per-layer budgets need at least {floor_total} transfers per token, the total is "
+                          f"{total}")
+    # best[c]: the largest value of the layers so far using c transfers in all; choice[l][c]: layer l's budget there
+    best: dict[int, float] = {0: 0.0}
+    choice: list[dict[int, int]] = []
+    for v in values:
+        nxt: dict[int, float] = {}
+        pick: dict[int, int] = {}
+        for c, acc in best.items():
+            for m in sorted(v):
+                c2 = c + int(m)
+                if c2 > total:
+                    break
+                val = acc + float(v[m])
+                if c2 not in nxt or val > nxt[c2] + 1e-12:
+                    nxt[c2], pick[c2] = val, int(m)
+        best, choice = nxt, [*choice, pick]
+    c = min(best, key=lambda k: (-round(best[k], 9), k))
+    out = []
+    for pick in reversed(choice):
+        m = pick[c]
+        out.append(m)
+        c -= m
+    return tuple(reversed(out))
 
 
 def lookahead_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | None, budgets: Mapping[str, int],
@@ -187,6 +228,93 @@ def lookahead_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | 
         else:
             out[st] = {d: int(m) * d if n is None else min(n, int(m) * d) for d in ds}
     return out
+
+
+# the EWMA's gain: RFC 6298's for the smoothed round-trip time (a standard estimator's, not fitted here)
+EWMA_ALPHA = 0.125
+
+
+@dataclass
+class EwmaBudget:
+    """The online window rule (beyond the paper; ``device.budget_rules: [ewma]``): the budget of each prediction step
+    from what the run itself measured so far, ``max(1, floor(d * W_ewma / t_ewma) - q)``, at most ``n_experts``:
+
+    - ``W_ewma``: an exponentially weighted moving average (gain ``alpha``) of the prefetch windows the run's own
+      decoding layers gave (:func:`~specprefetch.runtime.core.timeline.window_ms`), seeded with the window profile's
+      median window;
+    - ``t_ewma``: the same average of each finished decoding step's per-expert service time (the time its storage
+      was serving some transfer over the number it served, as ``profile_window`` measures it), seeded with the
+      profile's service time of the storage;
+    - ``q``: the transfers queued or running at the prediction step (the queue the new prefetches wait behind);
+    - ``d``: the look-ahead (the window summed over d layers).
+
+    The paper's rule is the same quotient from the profile alone, fixed for the whole run. MoE-Infinity sizes its
+    prefetching online from the window and the queue in the same spirit; its released code enqueues every predicted
+    expert in a priority queue, so this rule is ours, named after the idea, not a port. One object per run
+    (:meth:`fresh`): the runtime and the simulator feed it the same observations from the shared per-layer loop."""
+
+    window_ms: float
+    transfer_ms: float
+    n_experts: int
+    alpha: float = EWMA_ALPHA
+    _seen: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.window_ms) and self.window_ms > 0 and math.isfinite(self.transfer_ms)
+                and self.transfer_ms > 0):
+            raise BudgetError(f"the EWMA budget needs a positive measured window and transfer time, got "
+                              f"{self.window_ms!r} ms and {self.transfer_ms!r} ms: rerun profile-window")
+        if not 0 < self.alpha <= 1:
+            raise BudgetError(f"the EWMA gain must lie in (0, 1], got {self.alpha!r}")
+
+    def fresh(self) -> EwmaBudget:
+        """The same rule with its seeds, for a new run."""
+        return EwmaBudget(self.window_ms, self.transfer_ms, self.n_experts, self.alpha)
+
+    def _fold(self, attr: str, value: float) -> None:
+        if math.isfinite(value) and value > 0:
+            old = getattr(self, attr)
+            setattr(self, attr, old + self.alpha * (value - old))
+
+    def observe_window(self, ms: float) -> None:
+        """A decoding layer's prefetch window, in ms."""
+        self._fold("window_ms", ms)
+
+    def observe_transfers(self, log: Sequence[Any], step: int) -> None:
+        """Fold in the service time of every decoding step before ``step`` whose transfers ``log`` (the I/O backend's
+        transfers in submission order) newly holds: per step, the time some charged transfer was running over the
+        number that ran."""
+        by_step: dict[int, list[tuple[float, float]]] = {}
+        i = self._seen
+        while i < len(log) and log[i].step < step:
+            tr = log[i]
+            if tr.state == "done" and tr.charged and tr.t_end > tr.t_start > 0:
+                by_step.setdefault(tr.step, []).append((tr.t_start, tr.t_end))
+            i += 1
+        self._seen = i
+        for spans in by_step.values():
+            busy, end = 0.0, float("-inf")
+            for a, b in sorted(spans):
+                busy += max(0.0, b - max(a, end))
+                end = max(end, b)
+            self._fold("transfer_ms", busy / len(spans) * 1e3)
+
+    def budget(self, queued: int, lookahead: int = 1) -> int:
+        """M_max now, with ``queued`` transfers queued or running."""
+        fit = math.floor(lookahead * self.window_ms / self.transfer_ms) - int(queued)
+        return int(min(self.n_experts, max(1, fit)))
+
+
+def ewma_budgets(profile: Mapping[str, Any] | None, n_experts: int) -> dict[str, EwmaBudget]:
+    """The online EWMA rule per storage, seeded with the window profile's median window and that storage's service
+    time (``transfer_ms_used``); empty without a profile."""
+    if profile is None:
+        return {}
+    if "window_ms_median" not in profile:
+        raise BudgetError("the window profile has no window_ms_median, which seeds the EWMA budget: rerun "
+                          "profile-window")
+    w = float(profile["window_ms_median"])
+    return {st: EwmaBudget(w, float(t), int(n_experts)) for st, t in (profile.get("transfer_ms_used") or {}).items()}
 
 
 def has_budget(policy: str) -> bool:
@@ -224,9 +352,31 @@ def layer_budget(m_max: int, layer_m_max: Sequence[int], layer: int) -> int:
     return int(layer_m_max[layer]) if 0 <= layer < len(layer_m_max) else int(m_max)
 
 
-__all__ = ["AUTO", "RULE", "RULE_KEYS", "BudgetError", "RunBudget", "budget_rule", "budget_storages", "derive_m_max",
-           "has_budget", "is_auto", "layer_budget", "layer_budgets", "lookahead_budgets", "read_window_profile",
-           "rule_budgets", "run_budget", "storage_budgets", "window_budgets"]
+__all__ = [
+    "AUTO",
+    "EWMA_ALPHA",
+    "LAYER_RULE_KEYS",
+    "RULE",
+    "RULE_KEYS",
+    "BudgetError",
+    "EwmaBudget",
+    "RunBudget",
+    "allot_layer_budgets",
+    "budget_rule",
+    "budget_storages",
+    "derive_m_max",
+    "ewma_budgets",
+    "has_budget",
+    "is_auto",
+    "layer_budget",
+    "layer_budgets",
+    "lookahead_budgets",
+    "read_window_profile",
+    "rule_budgets",
+    "run_budget",
+    "storage_budgets",
+    "window_budgets",
+]
 
 
 def profiled_physical_ms(profile: dict[str, Any]) -> float:

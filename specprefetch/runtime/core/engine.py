@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from specprefetch.contracts import POLICIES, POLICY
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.core.budget import layer_budget
+from specprefetch.runtime.core.budget import EwmaBudget, layer_budget
 from specprefetch.runtime.core.cache import ExpertCache, Key, SlotPool
 from specprefetch.runtime.core.layer import LayerLoop
 from specprefetch.runtime.core.priority import PriorityProvider
@@ -75,6 +75,7 @@ class RuntimeOptions:
     topm_absent: tuple[int, ...] = ()  # record |Top_M(s) minus available| at t_pred for these M (Figure 1b)
     layer_m_max: tuple[int, ...] = ()  # per-layer budget M_max,l (index: the layer prefetched into); (): m_max
     lookahead: int = 1            # layer l prefetches into layer l + lookahead (its provider must predict that far)
+    ewma: EwmaBudget | None = None  # the online budget rule (its seeds): overrides m_max / layer_m_max when given
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -203,11 +204,16 @@ class OffloadedRuntime:
                               self.n_experts, options.budget_of, compute_opt=options.compute_opt,
                               sync=options.sync_prefetch,
                               retries=options.io_retries, record=options.record_routing,
-                              topm_absent=tuple(options.topm_absent), load_error=self._load_error)
+                              topm_absent=tuple(options.topm_absent), load_error=self._load_error,
+                              online=self._online())
         self.originals: list[nn.Module | None] = []
         self.installed = False
         self.step = -1
         self._routing: dict[int, tuple[Tensor, Tensor]] = {}  # the latest step's routing per layer (adopt)
+
+    def _online(self) -> EwmaBudget | None:
+        """A fresh online budget for a run, when the options have one and the policy a budget."""
+        return self.opt.ewma.fresh() if self.opt.ewma is not None and self.policy.budgeted else None
 
     # -------------------------------------------------------------- lifecycle
     def install(self) -> OffloadedRuntime:
@@ -275,6 +281,7 @@ class OffloadedRuntime:
         self.events = []
         self.step = -1
         self.loop.issued.clear()
+        self.loop.online = self._online()
         self._routing.clear()
         if self.preload:
             self._preload_all()

@@ -15,7 +15,7 @@ atomic with respect to the I/O threads.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from specprefetch.runtime.core.cache import Key
 
@@ -37,6 +37,8 @@ class IOBackend(Protocol):
     """Expert transfers and the clock of one run (see the module docstring)."""
 
     charge_delays: bool  # False during prefill steps: their loads take no emulated device delay (not timed)
+    active: dict[Key, Any]  # the queued and running transfers, by expert
+    log: list[Any]          # every transfer of the run, in submission order (step, state, charged, t_start, t_end)
 
     def now(self) -> float:
         """The compute thread's clock, in seconds."""

@@ -36,7 +36,7 @@ import torch
 from specprefetch.runtime.core.cache import CacheError, ExpertCache, Key
 from specprefetch.runtime.core.iobackend import IOBackend, TransferLike
 from specprefetch.runtime.core.priority import PriorityProvider, select_prefetch
-from specprefetch.runtime.core.timeline import LayerEvent
+from specprefetch.runtime.core.timeline import LayerEvent, window_ms
 
 Issued = dict[tuple[int, int], list[Any]]  # (step, target layer) -> the prefetches issued for it
 
@@ -163,6 +163,7 @@ class LayerLoop:
     record: bool = False                # keep each event's priorities (simulator input)
     topm_absent: tuple[int, ...] = ()   # record |Top_M(s) minus available| at t_pred for these M (Figure 1b)
     load_error: Callable[[Key], Exception] = _load_error  # the error when an expert cannot be loaded at all
+    online: Any = None                  # an online budget (EwmaBudget): it overrides ``budget_of`` when given
     issued: Issued = field(default_factory=lambda: defaultdict(list))
     events: list[LayerEvent] = field(default_factory=list)
 
@@ -182,6 +183,8 @@ class LayerLoop:
         ev = begin_layer(cache, io, self.issued, step, layer, t_exec, rows, required)
         if topk is not None:
             ev.topk = topk
+        if decoding and self.online is not None:
+            self._observe(ev)
         self.events.append(ev)
         protect = set(keys)
         j = acquire(cache, io, keys, 0, protect, step)
@@ -218,8 +221,21 @@ class LayerLoop:
         if self.record:
             ev.scores = torch.as_tensor(s).clone()
         self.io.poll()
-        issue_prefetches(self.cache, self.io, self.issued, ev, step, target, s, self.budget_of(target),
+        with self.cache.lock:
+            ev.m_max = (self.budget_of(target) if self.online is None
+                        else self.online.budget(len(self.io.active), provider.lookahead))
+        issue_prefetches(self.cache, self.io, self.issued, ev, step, target, s, ev.m_max,
                          provider.empty_when_zero, self.issues, protect, self.topm_absent)
+
+    def _observe(self, ev: LayerEvent) -> None:
+        """Feed the online budget what the run measured by ``ev``'s t_exec: the window the previous layer of the step
+        gave this one, and, at a step's first layer, the earlier steps' transfers."""
+        prev = self.events[-1] if self.events else None
+        if prev is not None and prev.step == ev.step and prev.layer == ev.layer - 1 and prev.t_pred is not None:
+            self.online.observe_window(window_ms(prev, ev))
+        if ev.layer == 0:
+            with self.cache.lock:
+                self.online.observe_transfers(self.io.log, ev.step)
 
     def _wait_for_room(self) -> None:
         if not self.io.wait_any():

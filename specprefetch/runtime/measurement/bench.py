@@ -61,6 +61,8 @@ from specprefetch.contracts import POLICY, ROUTING_FORMAT, RUN_COLUMNS, save_ten
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance
 from specprefetch.metrics import bootstrap_ci
 from specprefetch.runtime.core.budget import (
+    EwmaBudget,
+    ewma_budgets,
     layer_budgets,
     lookahead_budgets,
     profiled_physical_ms,
@@ -74,8 +76,13 @@ log = logging.getLogger(__name__)
 
 
 
-# (policy, storage, budget, compute_opt, per-layer budgets or (), look-ahead): what the runtime is given
-Signature = tuple[str, str, int, bool, tuple[int, ...], int]
+# (policy, storage, budget, compute_opt, per-layer budgets or (), look-ahead, online budget rule or ""): what the
+# runtime is given
+Signature = tuple[str, str, int, bool, tuple[int, ...], int, str]
+# budget rules beyond the paper a run can be named after (RunConfig.rule, runs.csv's budget_rule; "": the paper's
+# window rule, per storage or per layer); the runtime applies ONLINE_RULES itself, step by step
+EXTRA_RULES = ("dp", "ewma")
+ONLINE_RULES = ("ewma",)
 
 
 @dataclass(frozen=True)
@@ -87,18 +94,28 @@ class RunConfig:
     compute_opt: bool = True
     layer_m_max: tuple[int, ...] = ()  # per-layer budgets (index: the layer prefetched into); (): m_max everywhere
     lookahead: int = 1  # layer l prefetches into layer l + lookahead (the paper: 1)
+    rule: str = ""      # the budget rule beyond the paper that chose the budget (EXTRA_RULES; an online one's m_max is
+    #                     its seed's budget); "": the paper's window rule (or a configured budget)
+
+    def __post_init__(self) -> None:
+        if self.rule and self.rule not in EXTRA_RULES:
+            raise SpecPrefetchError(f"unknown budget rule {self.rule!r}; known: {', '.join(EXTRA_RULES)}")
 
     @property
     def key(self) -> str:
         per = f"|L{layer_budgets_label(self.layers)}" if self.layers else ""
         ahead = f"|d{self.ahead}" if self.ahead != 1 else ""
-        return f"{self.experiment}|{self.policy}|{self.storage}|{self.m_max}|{int(self.compute_opt)}{per}{ahead}"
+        online = f"|{self.online}" if self.online else ""
+        return (f"{self.experiment}|{self.policy}|{self.storage}|{self.m_max}|{int(self.compute_opt)}{per}{ahead}"
+                f"{online}")
 
     @property
     def label(self) -> str:
         """Short and human: ``specprefetch M=4``, ``off (no compute opt)``, ``specprefetch M=7 per layer 6/6/7``,
         ``specprefetch M=8 d=2``."""
         per = f" per layer {layer_budgets_label(self.layers)}" if self.layers else ""
+        if self.rule and self.budget:
+            per += f" ({self.rule.upper()})"
         return (self.policy + (f" M={self.budget}" if self.budget else "") + per
                 + (f" d={self.ahead}" if self.ahead != 1 else "") + ("" if self.compute_opt else " (no compute opt)"))
 
@@ -118,9 +135,15 @@ class RunConfig:
         return run_budget(self.policy, self.m_max, self.layer_m_max).layers
 
     @property
+    def online(self) -> str:
+        """The online budget rule the runtime uses: "" for a policy without a budget or a rule the runtime is given
+        the budgets of."""
+        return self.rule if self.budget and self.rule in ONLINE_RULES else ""
+
+    @property
     def signature(self) -> Signature:
         """What the runtime is given, whatever the experiment."""
-        return (self.policy, self.storage, self.budget, self.compute_opt, self.layers, self.ahead)
+        return (self.policy, self.storage, self.budget, self.compute_opt, self.layers, self.ahead, self.online)
 
 
 def layer_budgets_label(budgets: tuple[int, ...]) -> str:
@@ -138,18 +161,37 @@ def run_lookahead(row: Any) -> int:
 
 def parse_layer_budgets(label: Any, m_max: int) -> tuple[int, ...]:
     """The inverse of :func:`layer_budgets_label` (index 0, never prefetched into, is ``m_max``)."""
-    text = "" if label is None or (isinstance(label, float) and math.isnan(label)) else str(label)
+    text = _text(label)
     return (int(m_max), *(int(m) for m in text.split("/"))) if text else ()
+
+
+def run_budget_rule(row: Any) -> str:
+    """A runs.csv row's budget rule beyond the paper (``budget_rule``; "" where empty or absent: the paper's)."""
+    return _text(row.get("budget_rule") if hasattr(row, "get") else None)
+
+
+def row_signature(row: Any) -> Signature:
+    """What the runtime was given in a runs.csv row (:attr:`RunConfig.signature`)."""
+    m_max, rule = int(row["m_max"]), run_budget_rule(row)
+    return (str(row["policy"]), str(row["storage"]), m_max, bool(row["compute_opt"]),
+            parse_layer_budgets(row.get("layer_m_max"), m_max), run_lookahead(row),
+            rule if rule in ONLINE_RULES else "")
+
+
+def _text(v: Any) -> str:
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v).strip()
 
 
 def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, experiments: Iterable[str],
                      layer_m_max: dict[str, tuple[int, ...]] | None = None,
                      rule_m_max: dict[str, set[int]] | None = None,
-                     ahead_m_max: dict[str, dict[int, int]] | None = None) -> dict[str, list[RunConfig]]:
+                     ahead_m_max: dict[str, dict[int, int]] | None = None,
+                     dp_m_max: dict[str, tuple[int, ...]] | None = None) -> dict[str, list[RunConfig]]:
     """The configurations of every experiment, each storage at its own budget ``budgets[storage]`` (an integer:
     the same budget everywhere) and, for ``budget``, its per-layer budgets ``layer_m_max[storage]``; the sweep
     measures ``device.sweep_m_max``, the storage's budget and every rule's (``rule_m_max[storage]``); ``lookahead``
-    each distance at ``ahead_m_max[storage][d]`` (:mod:`~specprefetch.runtime.core.budget` decides them all)."""
+    each distance at ``ahead_m_max[storage][d]``; ``budget`` also the DP rule's per-layer budgets ``dp_m_max[storage]``
+    and the online EWMA rule (:mod:`~specprefetch.runtime.core.budget` decides them all)."""
     ref, slow = settings["reference_storage"], settings["slow_storage"]
     m_max = budgets if isinstance(budgets, dict) else defaultdict(lambda: int(budgets))
     per_layer = layer_m_max or {}
@@ -173,10 +215,17 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
             out[exp] = [RunConfig(exp, p, ref, m_max[ref], opt) for opt in (False, True)
                         for p in ("off", "specprefetch")]
         elif exp == "budget":
-            out[exp] = [RunConfig(exp, p, st, m_max[st], True, lb) for st in dict.fromkeys([ref, slow,
-                                                                                         *settings["storages"]])
-                        for p, lb in (("off", ()), ("specprefetch", ()), ("specprefetch", per_layer.get(st, ())))]
-            out[exp] = list({c.signature: c for c in out[exp]}.values())  # one budget in every layer: one run
+            extra = settings.get("extra_rules") or []
+            out[exp] = [RunConfig(exp, p, st, m_max[st], True, lb, rule=rule)
+                        for st in dict.fromkeys([ref, slow, *settings["storages"]])
+                        for p, lb, rule in (("off", (), ""), ("specprefetch", (), ""),
+                                            ("specprefetch", per_layer.get(st, ()), ""),
+                                            *((("specprefetch", _dp_layers(dp_m_max, st), "dp"),) if "dp" in extra
+                                              else ()),
+                                            *((("specprefetch", (), "ewma"),) if "ewma" in extra else ()))]
+            # per-layer budgets equal to the one budget: one run; a rule beyond the paper that chose the budgets of
+            # another run is a row of that run under its own name
+            out[exp] = list({(c.signature, c.rule): c for c in out[exp]}.values())
         elif exp == "lookahead":
             ahead = settings.get("lookahead") or {}
             if not ahead_m_max:
@@ -191,6 +240,14 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
         else:
             raise SpecPrefetchError(f"unknown experiment {exp!r}")
     return out
+
+
+def _dp_layers(dp_m_max: dict[str, tuple[int, ...]] | None, storage: str) -> tuple[int, ...]:
+    if not dp_m_max or storage not in dp_m_max:
+        raise SpecPrefetchError(f"device.extra_rules has 'dp', but the window profile has no DP budgets for "
+                                f"{storage} (m_max_dp_per_layer; the budget must be auto by the window rule): rerun "
+                                "profile-window")
+    return dp_m_max[storage]
 
 
 @dataclass(frozen=True)
@@ -276,8 +333,7 @@ def set_bounds(rows: list[dict[str, Any]], events_of: dict[tuple[str, int, Signa
                 if sig[0] == "resident" and sig[3]}
     t_used = profile.get("transfer_ms_used") or {}
     for row in rows:
-        sig = (row["policy"], row["storage"], int(row["m_max"]), bool(row["compute_opt"]),
-               parse_layer_budgets(row.get("layer_m_max"), int(row["m_max"])), run_lookahead(row))
+        sig = row_signature(row)
         evs = events_of.get((row["measured_in"], int(row["repeat"]), sig))
         if evs is None:
             continue
@@ -310,7 +366,15 @@ def run_row(res: RunResult, cfg: RunConfig, repeat: int, platform: str, model: s
         "expert_format": layout.quant if layout.quant != "none" else str(layout.dtype).removeprefix("torch."),
         "tokens_match": tokens_match, "tokens_sha256": tokens_sha256(res.tokens()), "bound_tokens_per_s": bound,
         "measured_in": cfg.experiment, "layer_m_max": layer_budgets_label(cfg.layers), "lookahead": cfg.ahead,
+        "budget_rule": cfg.rule if cfg.budget else "", "m_max_mean": mean_budget(res.events),
     }
+
+
+def mean_budget(events: Iterable[Any]) -> float:
+    """The mean budget of a run's decoding prediction steps (NaN: it predicted nothing): the budget as given, or what
+    an online rule chose step by step."""
+    ms = [ev.m_max for ev in events if ev.n_tokens == 1 and ev.m_max is not None]
+    return sum(ms) / len(ms) if ms else float("nan")
 
 
 def against_trained(res: RunResult, trained: list[tuple[list[int], list[torch.Tensor]]] | None) -> dict[str, Any]:
@@ -387,14 +451,27 @@ def block_order(configs: list[RunConfig], seed: int, block: str, repeat: int) ->
     return order
 
 
-def measure_block(harness: Harness, configs: dict[int, RunConfig], lockstep: bool, seed: str) -> dict[int, RunResult]:
+def measure_block(harness: Harness, configs: dict[int, RunConfig], lockstep: bool, seed: str,
+                  online: dict[str, EwmaBudget] | None = None) -> dict[int, RunResult]:
     """The runs of one (experiment, repeat) block, by position: one after another in the block's order, or, with
-    ``lockstep``, all at once, token by token in a random order every token (:meth:`Harness.run_lockstep`)."""
+    ``lockstep``, all at once, token by token in a random order every token (:meth:`Harness.run_lockstep`).
+    ``online``: per storage, the seeded online rule of the runs that use one (:func:`ewma_budgets`)."""
     kwargs = {pos: {"policy": c.policy, "storage": c.storage, "m_max": c.m_max, "compute_opt": c.compute_opt,
-                    "record": True, "layer_m_max": c.layers, "lookahead": c.ahead} for pos, c in configs.items()}
+                    "record": True, "layer_m_max": c.layers, "lookahead": c.ahead,
+                    "ewma": _online_of(c, online)} for pos, c in configs.items()}
     if lockstep and kwargs:
         return dict(zip(kwargs, harness.run_lockstep(list(kwargs.values()), seed=seed)))
     return {pos: harness.run(**kw) for pos, kw in kwargs.items()}
+
+
+def _online_of(cfg: RunConfig, online: dict[str, EwmaBudget] | None) -> EwmaBudget | None:
+    """The seeded online rule a run uses (None: its budget as given)."""
+    if not cfg.online:
+        return None
+    if not online or cfg.storage not in online:
+        raise SpecPrefetchError(f"run {cfg.key} uses the online {cfg.online} budget, which needs the window profile's "
+                                f"window and transfer time of {cfg.storage}")
+    return online[cfg.storage]
 
 
 def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platform: str, out_csv: str | Path,
@@ -415,7 +492,9 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     plain = _warm_up(harness)
     n_runs = sum(len(b.configs) for b in blocks) * int(harness.settings["repeats"])
     rec = _Recorder(harness, plain, model, platform, n_runs, harness.trained_reference())
-    n_repeats = _measure_rounds(harness, blocks, rec, seed)
+    online = (ewma_budgets(profile, harness.store.n_experts) if any(c.online for b in blocks for c in b.configs)
+              else None)
+    n_repeats = _measure_rounds(harness, blocks, rec, seed, online)
     rows = _experiment_rows(plan, blocks, rec, n_repeats)
     set_bounds(rows, rec.events_of, profile, harness.store.n_layers, rec.timings_of)
     for row in rows:
@@ -439,7 +518,7 @@ def _plan_blocks(settings: dict[str, Any], profile: dict[str, Any],
     ahead_m = (lookahead_budgets(settings, profile, {st: m_max[st] for st in ahead.get("storages", [])},
                                  ahead.get("distances", [1])) if "lookahead" in exps else None)
     plan = plan_experiments(settings, m_max, exps, layer_budgets(settings, profile, m_max),
-                            rule_budgets(settings, profile), ahead_m)
+                            rule_budgets(settings, profile), ahead_m, layer_budgets(settings, profile, m_max, "dp"))
     blocks = storage_blocks(plan, settings["max_block_runs"])
     repeats = int(settings["repeats"])
     max_repeats = int(settings["max_repeats"] or repeats)
@@ -507,7 +586,8 @@ def round_order(blocks: list[Block], seed: int, r: int) -> list[Block]:
     return order
 
 
-def _measure_rounds(harness: Harness, blocks: list[Block], rec: _Recorder, seed: int) -> dict[str, int]:
+def _measure_rounds(harness: Harness, blocks: list[Block], rec: _Recorder, seed: int,
+                    online: dict[str, EwmaBudget] | None = None) -> dict[str, int]:
     """Measure the blocks in rounds: round ``r`` measures repeat ``r`` of every block still measuring, in a fresh
     random block order, before any block's repeat ``r + 1``. So each experiment's repeats are spread over the whole
     benchmark and a drift of the host (the disk, the CPU) hits every block alike, instead of one block measuring
@@ -526,7 +606,7 @@ def _measure_rounds(harness: Harness, blocks: list[Block], rec: _Recorder, seed:
             break
         for b in round_order(active, seed, r):
             order = block_order(list(b.configs), seed, b.name, r)
-            results = measure_block(harness, dict(enumerate(order)), lockstep, f"{seed}/{b.name}/{r}")
+            results = measure_block(harness, dict(enumerate(order)), lockstep, f"{seed}/{b.name}/{r}", online)
             for pos, cfg in enumerate(order):
                 rec.add(b.name, r, pos, cfg, results[pos])
             n[b.name] = r + 1
@@ -551,7 +631,8 @@ def _experiment_rows(plan: dict[str, list[RunConfig]], blocks: list[Block], rec:
                      n_repeats: dict[str, int]) -> list[dict[str, Any]]:
     """runs.csv's rows: every experiment's configurations, each repeat its block measured, from that block's run."""
     block_of = {(exp, b.storage): b.name for b in blocks for exp in b.experiments}
-    return [{**rec.rows[(block_of[(exp, c.storage)], r, c.signature)], "experiment": exp}
+    return [{**rec.rows[(block_of[(exp, c.storage)], r, c.signature)], "experiment": exp,
+             "budget_rule": c.rule if c.budget else ""}
             for exp, configs in plan.items() for r in range(max(n_repeats.values(), default=0)) for c in configs
             if r < n_repeats[block_of[(exp, c.storage)]]]
 

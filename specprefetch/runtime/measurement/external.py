@@ -46,7 +46,7 @@ from specprefetch.contracts import (
     reraise_as,
 )
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.measurement.bench import run_lookahead, write_runs_csv
+from specprefetch.runtime.measurement.bench import run_budget_rule, run_lookahead, write_runs_csv
 
 REQUIRED = ("platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt", "repeat", "tokens_per_s")
 OPTIONAL_INT = ("n_tokens", "hits", "misses", "prefetched", "wasted")
@@ -229,13 +229,14 @@ def collect_device_benchmarks(runs: Sequence[str | Path], external: Sequence[str
     for p in [*runs, *external]:
         got = read_external_log(p) if p in external else read_runs_csv(p)
         for i, r in enumerate(got):
-            # the budget experiment's SpecPrefetch runs differ only in their per-layer budgets, the look-ahead
-            # experiment's in their distance
+            # the budget experiment's SpecPrefetch runs differ only in their per-layer budgets or online rule, the
+            # look-ahead experiment's in their distance
             key = (*(str(r[k]).lower() for k in RUN_KEY), str(r.get("layer_m_max") or ""),
-                   str(run_lookahead(r)))
+                   str(run_lookahead(r)), run_budget_rule(r))
             where = f"{p}:{i + 2}" if p not in external else f"{p} row {i + 1}"
             if key in seen:
-                raise ExternalLogError(f"{where}: the same run ({', '.join(RUN_KEY)}, layer_m_max, lookahead) as "
+                raise ExternalLogError(f"{where}: the same run ({', '.join(RUN_KEY)}, layer_m_max, lookahead, "
+                                       "budget_rule) as "
                                        f"{seen[key]}: "
                                        "runs.csv rows must be unique (paired gains need one row per run)")
             seen[key] = where

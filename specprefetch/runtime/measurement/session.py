@@ -25,7 +25,7 @@ from torch import nn
 
 from specprefetch.contracts import POLICY
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.core.budget import run_budget
+from specprefetch.runtime.core.budget import EwmaBudget, run_budget
 from specprefetch.runtime.core.cache import SlotPool
 from specprefetch.runtime.core.engine import OffloadedRuntime, RuntimeOptions, install_offloaded, resident_pool
 from specprefetch.runtime.core.paper_scale import install_store_experts, match_store
@@ -183,10 +183,11 @@ class Harness:
 
     def runtime(self, policy: str, storage: str, m_max: int = 0, compute_opt: bool = True, record: bool = False,
                 preload: bool = False, capacity: int | None = None, topm_absent: tuple[int, ...] = (),
-                layer_m_max: tuple[int, ...] = (), lookahead: int = 1) -> OffloadedRuntime:
+                layer_m_max: tuple[int, ...] = (), lookahead: int = 1,
+                ewma: EwmaBudget | None = None) -> OffloadedRuntime:
         """A fresh runtime for one run of ``policy`` on ``storage`` (not installed), prefetching ``lookahead`` layers
         ahead; its budget is :func:`~specprefetch.runtime.core.budget.run_budget`'s (none for a policy without
-        one)."""
+        one), or, with ``ewma``, the online rule's step by step."""
         budget = run_budget(policy, m_max, layer_m_max)
         if (preload or POLICY[policy].preload) and self._resident is None:
             self._resident = resident_pool(self.store, self.device)
@@ -194,7 +195,7 @@ class Harness:
                               capacity=capacity or self.capacity, compute_opt=compute_opt,
                               io_workers=int(self.settings["io_workers"]), io_retries=int(self.settings["io_retries"]),
                               record_routing=record, preload=preload, topm_absent=topm_absent,
-                              lookahead=int(lookahead))
+                              lookahead=int(lookahead), ewma=ewma)
         return OffloadedRuntime(self.model, self.store, self.reader(storage), opts, self.provider(policy, lookahead),
                                 spec=self.spec, device=self.device, resident=self._resident)
 
@@ -202,11 +203,11 @@ class Harness:
             preload: bool = False, capacity: int | None = None, topm_absent: tuple[int, ...] = (),
             max_new_tokens: int | None = None, prompts: list[Prompt] | None = None,
             on_runtime: Callable[[OffloadedRuntime], Any] | None = None,
-            layer_m_max: tuple[int, ...] = (), lookahead: int = 1) -> RunResult:
+            layer_m_max: tuple[int, ...] = (), lookahead: int = 1, ewma: EwmaBudget | None = None) -> RunResult:
         """One measured run of ``policy`` (see the module docstring); ``layer_m_max``: per-layer budgets;
-        ``lookahead``: how many layers ahead it prefetches."""
+        ``lookahead``: how many layers ahead it prefetches; ``ewma``: the online budget rule."""
         rt = self.runtime(policy, storage, m_max, compute_opt, record, preload, capacity, topm_absent, layer_m_max,
-                          lookahead)
+                          lookahead, ewma)
         gens: list[Generation] = []
         n_new = int(max_new_tokens or self.settings["max_new_tokens"])
         gc.collect()

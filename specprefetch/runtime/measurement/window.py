@@ -52,7 +52,7 @@ from specprefetch.contracts import BUDGET_CURVE_COLUMNS, EMULATED, LATENCY_PARTS
 from specprefetch.io import atomic_path, provenance, write_json_atomic
 from specprefetch.runtime.core.budget import RULE, budget_storages, derive_m_max, is_auto, window_budgets
 from specprefetch.runtime.core.storage import ExpertReader, host_buffer, measure_transfer_ms
-from specprefetch.runtime.core.timeline import LayerEvent, routing_rows
+from specprefetch.runtime.core.timeline import LayerEvent, routing_rows, window_ms
 from specprefetch.runtime.measurement.session import Harness, RunResult
 
 log = logging.getLogger(__name__)
@@ -245,15 +245,13 @@ def physical_device_model(harness: Harness, isolated_ms: float) -> dict[str, flo
 
 
 def per_layer_windows(events: list[LayerEvent]) -> dict[tuple[int, int], float]:
-    """W_l per decoding event, keyed (step, l): t_exec(l+1) - t_pred(l) in ms, less the time layer l then stalled for
-    its own experts (in an offloaded run its demand loads occupy the device then, and a prefetch starts only
-    after them: that time is no window for layer l+1's transfers; 0 with every expert resident)."""
+    """W_l per decoding event, keyed (step, l) (:func:`~specprefetch.runtime.core.timeline.window_ms`)."""
     by = {(ev.step, ev.layer): ev for ev in events if ev.n_tokens == 1}
     out = {}
     for (step, layer), ev in by.items():
         nxt = by.get((step, layer + 1))
         if nxt is not None and ev.t_pred is not None:
-            out[(step, layer)] = (nxt.t_exec - ev.t_pred - ev.stall_s) * 1e3
+            out[(step, layer)] = window_ms(ev, nxt)
     return out
 
 

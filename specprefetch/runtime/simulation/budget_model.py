@@ -38,13 +38,21 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specprefetch.runtime.core.budget import budget_storages, derive_m_max
+from specprefetch.runtime.core.budget import allot_layer_budgets, budget_storages, derive_m_max
 from specprefetch.runtime.core.storage import StorageProfile
 from specprefetch.runtime.simulation.simrun import disk_model, profile_inputs
-from specprefetch.runtime.simulation.simulator import ComputeProfile, SimSequence, sequences_from_record, simulate
+from specprefetch.runtime.simulation.simulator import (
+    ComputeProfile,
+    SimResult,
+    SimSequence,
+    sequences_from_record,
+    simulate,
+)
 
 SIM_RULE = ("the fastest M_max = 1..max(device.sweep_m_max) in the trace-driven simulator fed the window profile and "
             "the recorded routing of its offloaded predicting run (ties: the smaller)")
+DP_RULE = ("the window rule's per-layer total sum_l floor(W_l / t) allotted across layers by dynamic programming to "
+           "the most ready hits, each layer's at a budget from the simulated run at that uniform budget")
 # W/t on the w_over_t curve: 0.5 (a transfer takes two windows) to 8 (eight fit), evenly on a log axis (x sqrt 2)
 W_OVER_T_GRID = tuple(round(0.5 * 2 ** (k / 2), 4) for k in range(9))
 
@@ -60,22 +68,53 @@ class _Sim:
         self.workers = int(profile["io_workers"])
         self.budgets = range(1, max(int(m) for m in settings["sweep_m_max"]) + 1)
         self._curves: dict[tuple[Any, ...], tuple[float, dict[int, float], int]] = {}
+        self._hits: dict[tuple[Any, ...], dict[int, list[float]]] = {}
 
-    def tps(self, policy: str, m_max: int, compute: ComputeProfile, device: StorageProfile,
-            fixed: float | None) -> float:
+    def run(self, policy: str, m_max: int, compute: ComputeProfile, device: StorageProfile,
+            fixed: float | None) -> SimResult:
         return simulate(self.seqs, policy, m_max, self.capacity, self.n_experts, self.top_k, compute, device,
-                        self.workers, True, fixed_transfer_s=fixed).tokens_per_s
+                        self.workers, True, fixed_transfer_s=fixed)
 
     def curve(self, compute: ComputeProfile, device: StorageProfile, fixed: float | None
               ) -> tuple[float, dict[int, float], int]:
         """(OFF, SpecPrefetch per budget, the fastest budget); storages of one device model (e.g. emulated ones
-        without a delay on a disk faster than their datasheet) are simulated once."""
+        without a delay on a disk faster than their datasheet) are simulated once. The runs' ready hits per layer
+        are kept for :meth:`layer_hits`."""
         key = (repr(compute), replace(device, name=""), fixed)
         if key not in self._curves:
-            off = self.tps("off", 0, compute, device, fixed)
-            per = {m: self.tps("specprefetch", m, compute, device, fixed) for m in self.budgets}
+            off = self.run("off", 0, compute, device, fixed).tokens_per_s
+            runs = {m: self.run("specprefetch", m, compute, device, fixed) for m in self.budgets}
+            per = {m: r.tokens_per_s for m, r in runs.items()}
             self._curves[key] = (off, per, fastest(per))
+            self._hits[key] = {m: ready_hits_per_layer(r.events, len(self.seqs[0].steps[0].topk))
+                               for m, r in runs.items()}
         return self._curves[key]
+
+    def layer_hits(self, compute: ComputeProfile, device: StorageProfile, fixed: float | None
+                   ) -> list[dict[int, float]]:
+        """Per layer prefetched into (1..L-1), the mean ready hits per decoding token at each uniform budget."""
+        self.curve(compute, device, fixed)
+        hits = self._hits[(repr(compute), replace(device, name=""), fixed)]
+        return [{m: hits[m][layer] for m in self.budgets} for layer in range(1, len(next(iter(hits.values()))))]
+
+
+def ready_hits_per_layer(events: Sequence[Any], n_layers: int) -> list[float]:
+    """Per layer, the mean over decoding events of its required experts resident at t_exec (its ready hits)."""
+    sums, counts = [0.0] * n_layers, [0] * n_layers
+    for ev in events:
+        if ev.n_tokens == 1:
+            sums[ev.layer] += ev.hits
+            counts[ev.layer] += 1
+    return [s / c if c else 0.0 for s, c in zip(sums, counts)]
+
+
+def dp_layer_budgets(hits: Sequence[Mapping[int, float]], window_layers: Sequence[int]) -> list[int]:
+    """The DP rule's per-layer budgets (beyond the paper): the window rule's per-layer total
+    ``sum_l floor(W_l / t)`` allotted across the layers (:func:`~specprefetch.runtime.core.budget.allot_layer_budgets`)
+    to the most ready hits, each layer's hits at a budget read from the simulated run at that uniform budget
+    (separable, as AdapMoE's per-layer allotment: a layer's hits are taken as not depending on the others'
+    budgets)."""
+    return list(allot_layer_budgets(hits, int(sum(int(m) for m in window_layers))))
 
 
 def fastest(per_budget: Mapping[int, float]) -> int:
@@ -114,12 +153,14 @@ def budget_curves(profile: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
     head = {"platform": profile["platform"], "model": profile["model"], "emulation": emulation, "io_order": io_order}
     window_rule = profile["m_max_per_storage"]
     chosen: dict[str, int] = {}
+    dp: dict[str, list[int]] = {}
     out: list[dict[str, Any]] = []
     storages = budget_storages(settings)
     for st in tqdm(storages, desc="simulated budgets", disable=None):
         compute, device, fixed = profile_inputs(dict(profile), st, dict(settings))
         off, per, best = sim.curve(compute, device, fixed)
         chosen[st] = best
+        dp[st] = dp_layer_budgets(sim.layer_hits(compute, device, fixed), profile["m_max_per_layer"][st])
         x = w / isolated_ms(profile, st)
         common = {**head, "storage": st, "w_over_t": x, "transfer_ms": isolated_ms(profile, st),
                   "off_tokens_per_s": off, "m_max_window": int(window_rule[st]), "m_max_simulated": best}
@@ -140,6 +181,7 @@ def budget_curves(profile: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
                         "m_max": m, "off_tokens_per_s": off, "tokens_per_s": per[m], "gain_pct": _gain(per[m], off),
                         "m_max_window": by_window, "m_max_simulated": best})
     keys = {"m_max_simulated_per_storage": chosen, "m_max_simulated_rule": SIM_RULE,
+            "m_max_dp_per_layer": dp, "m_max_dp_rule": DP_RULE,
             "simulated_budget_source": "the offloaded predicting run's recorded routing (window profiling)"}
     return keys, out
 
@@ -148,4 +190,5 @@ def _gain(tps: float, off: float) -> float:
     return (tps / off - 1.0) * 100.0 if off > 0 and math.isfinite(off) else float("nan")
 
 
-__all__ = ["SIM_RULE", "W_OVER_T_GRID", "budget_curves", "fastest", "shaped_device"]
+__all__ = ["DP_RULE", "SIM_RULE", "W_OVER_T_GRID", "budget_curves", "dp_layer_budgets", "fastest",
+           "ready_hits_per_layer", "shaped_device"]

@@ -26,12 +26,14 @@ from tqdm import tqdm
 from specprefetch.contracts import EMULATED, RUN_COLUMNS
 from specprefetch.io import SpecPrefetchError, atomic_path
 from specprefetch.registry import runtime_providers
-from specprefetch.runtime.core.budget import profiled_physical_ms
+from specprefetch.runtime.core.budget import EwmaBudget, ewma_budgets, profiled_physical_ms
 from specprefetch.runtime.core.storage import StorageProfile, delayed_device, make_profile
 from specprefetch.runtime.measurement.bench import (
+    ONLINE_RULES,
     Signature,
     parse_layer_budgets,
     plan_experiments,
+    run_budget_rule,
     run_lookahead,
     write_runs_csv,
 )
@@ -54,7 +56,8 @@ from specprefetch.runtime.simulation.simulator import (
 log = logging.getLogger(__name__)
 
 VALIDATION_COLUMNS = ["inputs", "platform", "model", "experiment", "policy", "storage", "m_max", "compute_opt",
-                      "layer_m_max", "lookahead", "metric", "measured", "simulated", "rel_error", "n_repeats"]
+                      "layer_m_max", "lookahead", "budget_rule", "metric", "measured", "simulated", "rel_error",
+                      "n_repeats"]
 METRICS = ("tokens_per_s", "ready_recall", "hits", "misses", "prefetched", "wasted", "stall_ms")
 
 
@@ -176,8 +179,20 @@ def _simulate_run(run: dict[str, Any], seqs: list[SimSequence], profile: dict[st
     res = simulate(seqs, m["policy"], int(m["m_max"]), int(m["capacity_experts"]), int(profile["n_experts"]),
                    int(profile["top_k"]), compute, storage, int(profile["io_workers"]), bool(m["compute_opt"]),
                    fixed_transfer_s=fixed, layer_m_max=parse_layer_budgets(m.get("layer_m_max"), int(m["m_max"])),
-                   lookahead=run_lookahead(m))
+                   lookahead=run_lookahead(m), ewma=_online(m, profile))
     return {"tokens_per_s": res.tokens_per_s, **{k: float(getattr(res.stats, k)) for k in METRICS[1:]}}
+
+
+def _online(row: dict[str, Any], profile: dict[str, Any]) -> EwmaBudget | None:
+    """The online budget rule of a recorded run, seeded from the window profile as the benchmark seeded it."""
+    rule = run_budget_rule(row)
+    if rule not in ONLINE_RULES:
+        return None
+    online = ewma_budgets(profile, int(profile["n_experts"]))
+    if row["storage"] not in online:
+        raise SpecPrefetchError(f"run on {row['storage']} used the online {rule} budget, but the window profile has no "
+                              "service time for that storage")
+    return online[row["storage"]]
 
 
 def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
@@ -210,7 +225,7 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
         for inputs, got in sims.items():
             for metric in METRICS:
                 measured = statistics.fmean(float(r[metric]) for r in repeats)
-                rows.append({"inputs": inputs, **{k: m.get(k, "") for k in VALIDATION_COLUMNS[1:10]},
+                rows.append({"inputs": inputs, **{k: m.get(k, "") for k in VALIDATION_COLUMNS[1:11]},
                              "metric": metric, "measured": measured, "simulated": float(got[metric]),
                              "rel_error": relative_error(float(got[metric]), measured), "n_repeats": len(repeats)})
     return rows + _speedup_rows(record["runs"], simulated)
@@ -244,7 +259,7 @@ def _speedup_rows(runs: Mapping[str, Any], simulated: Mapping[str, Mapping[str, 
         for inputs, tps in simulated[key].items():
             off_tps = simulated[off_key].get(inputs, float("nan"))
             sim = tps / off_tps if off_tps > 0 else float("nan")
-            rows.append({"inputs": inputs, **{k: m.get(k, "") for k in VALIDATION_COLUMNS[1:10]}, "metric": "speedup",
+            rows.append({"inputs": inputs, **{k: m.get(k, "") for k in VALIDATION_COLUMNS[1:11]}, "metric": "speedup",
                          "measured": measured, "simulated": sim, "rel_error": relative_error(sim, measured),
                          "n_repeats": len(shared)})
     return rows

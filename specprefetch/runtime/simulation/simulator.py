@@ -35,7 +35,7 @@ from torch import Tensor
 
 from specprefetch.contracts import POLICIES, POLICY
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.core.budget import layer_budget
+from specprefetch.runtime.core.budget import EwmaBudget, layer_budget
 from specprefetch.runtime.core.cache import ExpertCache, Key
 from specprefetch.runtime.core.layer import LayerLoop
 from specprefetch.runtime.core.priority import PriorityProvider, builtin_provider
@@ -390,10 +390,11 @@ class SimResult:
 def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity: int, n_experts: int,
              top_k: int, compute: ComputeProfile, storage: StorageProfile, io_workers: int = 4,
              compute_opt: bool = True, sync: bool = False, fixed_transfer_s: float | None = None,
-             preload: bool = False, layer_m_max: Sequence[int] = (), lookahead: int = 1) -> SimResult:
+             preload: bool = False, layer_m_max: Sequence[int] = (), lookahead: int = 1,
+             ewma: EwmaBudget | None = None) -> SimResult:
     """Replay ``sequences`` under ``policy`` (see the module docstring); returns counters and throughput.
-    ``layer_m_max``: per-layer budgets (index: the layer prefetched into) and ``lookahead`` (layer l prefetches into
-    l + lookahead), as the runtime's options."""
+    ``layer_m_max``: per-layer budgets (index: the layer prefetched into), ``lookahead`` (layer l prefetches into
+    l + lookahead) and ``ewma`` (the online budget rule, seeded), as the runtime's options."""
     if policy not in POLICIES:
         raise SimulationError(f"unknown policy {policy!r}")
     if not sequences or not sequences[0].steps:
@@ -412,7 +413,8 @@ def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity
     replay = replay_provider(policy, n_layers, n_experts, lookahead)
     loop = LayerLoop(cache, io, replay, pol.issues, n_layers, n_experts,
                      lambda layer: layer_budget(m_max, layer_m_max, layer),
-                     compute_opt=compute_opt, sync=sync, load_error=_transfer_lost)
+                     compute_opt=compute_opt, sync=sync, load_error=_transfer_lost,
+                     online=ewma.fresh() if ewma is not None and pol.budgeted else None)
     work = _SimWork(io, compute, replay)
     step = -1
     n_tok, dec_s = 0, 0.0
