@@ -53,13 +53,14 @@ def policy_table(runs: pd.DataFrame, path: Path) -> str:
         out.append("| policy | M_max | tok/s | gain vs OFF % [95 % CI] | ReadyRecall | demand loads | "
                    "bound tok/s (share) | bound, own compute (share) |")
         out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
-        keys = ["policy", "m_max", "compute_opt"] + (["layer_m_max"] if "layer_m_max" in sub else [])
+        sub = sub.assign(**{k: sub[k].fillna("") if k in sub else "" for k in ("layer_m_max", "budget_rule")})
+        keys = ["policy", "m_max", "compute_opt", "layer_m_max", "budget_rule"]
         order = {p: i for i, p in enumerate(POLICY_ORDER)}
         for key, r in sorted(sub.groupby(keys, sort=False, dropna=False), key=lambda kv: order.get(kv[0][0], 99)):
-            pol, m, opt = key[:3]
-            layers = key[3] if len(key) > 3 and isinstance(key[3], str) else ""
+            pol, m, opt, layers, rule = key
             label = (f" (compute_opt {'on' if opt in (True, 'True', 1) else 'off'})" if exp == "component"
                      else f" (per layer {layers})" if layers else "")
+            label += f" ({str(rule).upper()})" if rule else ""
             tps = r["tokens_per_s"].mean()
             b = r.get("bound_tokens_per_s", pd.Series(dtype=float)).mean()
             bo = r.get("bound_own_tokens_per_s", pd.Series(dtype=float)).mean()
@@ -78,8 +79,9 @@ def spread(runs: pd.DataFrame, path: Path) -> str:
            "| model | experiment | storage | configuration | repeats | per repeat | std | CI half-width | "
            "repeats for ±2 pp |", "|---|---|---|---|---:|---|---:|---:|---:|"]
     sel = g[~g["policy"].isin(["off", "resident"])]
-    keys = ["model", "experiment", "storage", "policy", "m_max", "compute_opt", "layer_m_max"]
-    for (model, exp, st, pol, m, opt, per), r in sel.groupby([k for k in keys if k in sel], sort=False, dropna=False):
+    sel = sel.assign(**{k: sel[k].fillna("") if k in sel else "" for k in ("layer_m_max", "budget_rule")})
+    keys = ["model", "experiment", "storage", "policy", "m_max", "compute_opt", "layer_m_max", "budget_rule"]
+    for (model, exp, st, pol, m, opt, per, rule), r in sel.groupby(keys, sort=False, dropna=False):
         if r["measured_in"].iloc[0] != exp:
             continue  # a group reused from an earlier experiment: listed there
         vals = r.sort_values("repeat")["gain_pct"].to_numpy()
@@ -89,7 +91,8 @@ def spread(runs: pd.DataFrame, path: Path) -> str:
         need = math.ceil(len(vals) * (ci.half_width / 2.0) ** 2) if ci.half_width > 0 else len(vals)
         shown = (", ".join(f"{v:+.1f}" for v in vals) if len(vals) <= 8
                  else f"{vals.min():+.1f} … {vals.max():+.1f}")
-        config = RunConfig(exp, pol, st, int(m), str(opt).lower() == "true", parse_layer_budgets(per, int(m))).label
+        config = RunConfig(exp, pol, st, int(m), str(opt).lower() == "true", parse_layer_budgets(per, int(m)),
+                           rule=str(rule)).label
         out.append(f"| {model} | {exp} | {st} | {config} | {len(vals)} | {shown} | {sd:.1f} | "
                    f"{ci.half_width:.1f} | {max(need, len(vals))} |")
     return "\n".join(out)

@@ -4,8 +4,8 @@ budgets, which policies have one, and the simulated platform's budget from the s
 from __future__ import annotations
 
 import json
-import statistics
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 

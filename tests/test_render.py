@@ -131,6 +131,20 @@ def _runs_rows(model: str = "tiny-deepseek-vl2", repeats: int = 5) -> pd.DataFra
         add("storage", storage, [("off", 0, off, 0.18, None), ("specprefetch", 8, off * (1 + gain), 0.9, None)])
     add("component", "nvme_cold", [("off", 0, 2.9, 0.15, False), ("off", 0, 3.75, 0.15, True),
                                    ("specprefetch", 8, 3.2, 0.9, False), ("specprefetch", 8, 4.05, 0.9, True)])
+    # the budget experiment: the paper's rule per storage and per layer, the DP allotment and the online EWMA rule
+    # (device.extra_rules) on the cold disk; the window rule alone on the slow one
+    for storage, off, specs in (("nvme_cold", 3.753, (({}, 1.07), ({"layer_m_max": "7/9/8"}, 1.05),
+                                                      ({"layer_m_max": "6/10/8", "budget_rule": "dp"}, 1.09),
+                                                      ({"budget_rule": "ewma", "m_max_mean": 6.5}, 1.03))),
+                                ("slow_ufs", 2.2, (({}, 1.2),))):
+        for r in range(repeats):
+            drift = 1.0 + rng.normal(0, 0.03)
+            for policy, m_max, extra, g in (("off", 0, {}, 1.0), *(("specprefetch", 8, e, g) for e, g in specs)):
+                rows.append({"platform": "cpu-local", "model": model, "experiment": "budget", "policy": policy,
+                             "storage": storage, "m_max": m_max, "compute_opt": True, "repeat": r,
+                             "tokens_per_s": round(off * g * drift * (1 + rng.normal(0, 0.01)), 4),
+                             "ready_recall": 0.8, "n_tokens": 64, "hits": 500, "misses": 80, "prefetched": 400,
+                             "wasted": 40, "stall_ms": 120.0, "source": "measured", **extra})
     # device.variants: the storage experiment under the bandwidth emulation (its gain shrinks as storage slows:
     # fewer concurrent transfers fit the window) and the sweep under FIFO I/O (its throughput falls past the peak)
     for storage, off, gain in (("nvme", 4.6, 0.012), ("nvme_cold", 3.753, 0.07), ("slow_ufs", 2.2, 0.03)):
@@ -840,7 +854,7 @@ def test_registries_agree_with_the_rule_targets() -> None:
             assert all(getattr(args, k) is not None for k in needs), (command, name)
     outs = targets.all_outputs({"render": {"out_dir": "x"}}, with_pdf=True)
     assert "x/paper_tables.pdf" in outs and "x/table5_matched_vs_paper.tex" in outs
-    assert "x/results/runs.csv" in outs and len(outs) == 12 + 24 + 8 + 2 + len(targets.RESULT_PATHS)
+    assert "x/results/runs.csv" in outs and len(outs) == 12 + 27 + 8 + 2 + len(targets.RESULT_PATHS)
     assert "x/table0_realism.tex" in outs and "x/table0_realism_vs_paper.tex" not in outs  # itself a comparison
     smk = (ROOT / "workflow" / "rules" / "render.smk").read_text()
     for rule in ("render_table", "render_figure", "compare_with_paper", "write_preview", "compile_preview"):
@@ -1047,3 +1061,39 @@ def test_figures_4_and_5_draw_the_simulators_curves(cfg: dict, tmp_path: Path) -
     assert "simulated_m_max" not in plain4.meta and "w_over_t" not in plain5.meta
     assert not any(c.id.endswith("sim_rule_loss") for c in plain4.cells)
     assert read_curve(tmp_path / "absent.csv") is None
+
+
+def test_budget_rules_figure_pairs_every_rule_with_its_blocks_off(cfg: dict, tmp_path: Path) -> None:
+    """fig_budget_rules: per storage of the budget experiment and rule (the paper's per storage and per layer, the
+    DP allotment, the online EWMA rule) SpecPrefetch's paired gain vs the block's OFF, its throughput, its mean
+    budget per prediction step (runs.csv's m_max_mean, else the per-layer budgets' mean) and its paired loss against
+    the block's fastest rule; an unknown rule is one line."""
+    from specprefetch.render.data import RenderInputError
+    from specprefetch.render.figures import figure_budget_rules, save_figure
+
+    runs = _as_read(_runs_rows(), tmp_path, "runs")
+    res = figure_budget_rules(runs, cfg, "runs.csv")
+    doc = res.doc.by_id()
+    part = runs[(runs["experiment"] == "budget") & (runs["storage"] == "nvme_cold")
+                & (runs["model"] == "tiny-deepseek-vl2")]
+    off = part[part["policy"] == "off"].set_index("repeat")["tokens_per_s"]
+    rule = part["budget_rule"].fillna("").where(part["budget_rule"].fillna("") != "",
+                                                np.where(part["layer_m_max"].fillna("") != "", "layer", "window"))
+    tps = {r: part[(part["policy"] == "specprefetch") & (rule == r)].set_index("repeat")["tokens_per_s"]
+           for r in ("window", "layer", "dp", "ewma")}
+    for r, budget in (("window", 8.0), ("layer", 8.0), ("dp", 8.0), ("ewma", 6.5)):
+        gain = doc[f"nvme_cold/{r}/gain"]
+        assert gain.value == pytest.approx(((tps[r] / off - 1) * 100).mean()) and gain.lo < gain.value < gain.hi
+        assert doc[f"nvme_cold/{r}/throughput"].value == pytest.approx(tps[r].mean())
+        assert doc[f"nvme_cold/{r}/budget"].value == pytest.approx(budget)
+    assert "nvme_cold/dp/loss" not in doc  # the fastest rule (+9 %) has no loss against itself
+    loss = doc["nvme_cold/ewma/loss"]
+    assert loss.value == pytest.approx(((tps["dp"] - tps["ewma"]) / tps["dp"] * 100).mean()) and loss.lo > 0
+    assert loss.keys["best"] == "dp"
+    assert set(doc) >= {"slow_ufs/window/gain"} and not any(k.startswith("slow_ufs/dp") for k in doc)
+    assert set(res.doc.meta["rules"]) == {"window", "layer", "dp", "ewma"}
+    save_figure(res.fig, tmp_path / "fig_budget_rules")
+    assert (tmp_path / "fig_budget_rules.png").stat().st_size > 0
+    bad = runs.assign(budget_rule=np.where(runs["budget_rule"].fillna("") == "dp", "oracle", runs["budget_rule"]))
+    with pytest.raises(RenderInputError, match="unknown budget_rule oracle"):
+        figure_budget_rules(bad, cfg, "runs.csv")

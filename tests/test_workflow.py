@@ -31,13 +31,13 @@ def job_counts(output: str) -> dict[str, int]:
 # where the whole set is read (the corpus for training, the simulator's workloads), 2 x 8 predictors (the 4 learned
 # ones once per seed: seeds(n) jobs per model), recall per
 # shard, the stand-in realism over every workload's shards, runtime benchmarks per device model, 6 tables (Table 0: the
-# realism), 8 figures (look-ahead and Pareto beyond the paper), the look-ahead recall per shard; the PDF only where
-# pdflatex is installed.
+# realism), 9 figures (look-ahead, Pareto and budget rules beyond the paper), the look-ahead recall per shard; the
+# PDF only where pdflatex is installed.
 COMMON = {"prepare_workload": 5, "prepare_corpus": 1, "check_disjoint": 1,
           "train_predictor": 16, "gather_recall": 1, "gather_params": 1, "measure_predictor_cost": 1,
           "gather_lookahead": 1,
           "measure_realism": 1,
-          "render_table": 6, "render_figure": 8, "collect_device_benchmarks": 1, "compare_with_paper": 1,
+          "render_table": 6, "render_figure": 9, "collect_device_benchmarks": 1, "compare_with_paper": 1,
           "write_preview": 1, "archive_results": 1, "write_numbers": 1, "paper_tables": 1,
           **({"compile_preview": 1} if shutil.which("pdflatex") else {})}
 

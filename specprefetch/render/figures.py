@@ -1056,6 +1056,147 @@ def figure_pareto(recall: pd.DataFrame, params: pd.DataFrame, cost: pd.DataFrame
     return FigureResult(fig, doc)
 
 
+# --------------------------------------------------------------------------------------------- budget rules
+# The budget experiment's rules (beyond the paper), in drawing order: key -> (label, colour, marker). "window" and
+# "layer" are the paper's rule per storage and per layer; "dp" and "ewma" come with device.extra_rules.
+BUDGET_RULES: dict[str, tuple[str, str, str]] = {
+    "window": (r"$\lfloor W/t \rfloor$ (paper)", "#0072B2", "o"),
+    "layer": (r"$\lfloor W_l/t \rfloor$ per layer", "#56B4E9", "s"),
+    "dp": ("DP per layer", "#009E73", "D"),
+    "ewma": ("EWMA, online", "#D55E00", "^"),
+}
+
+
+def _rule_of(row: Any) -> str:
+    """A budget-experiment row's rule: its ``budget_rule``, else the paper's per layer (per-layer budgets) or per
+    storage."""
+    rule = row.get("budget_rule")
+    if isinstance(rule, str) and rule.strip():
+        return rule.strip()
+    layers = row.get("layer_m_max")
+    return "layer" if isinstance(layers, str) and layers.strip() else "window"
+
+
+def _mean_budget(row: Any) -> float:
+    """The mean budget per prediction step: ``m_max_mean`` when recorded, else the per-layer budgets' mean or M_max."""
+    v = pd.to_numeric(row.get("m_max_mean"), errors="coerce")
+    if pd.notna(v):
+        return float(v)
+    layers = row.get("layer_m_max")
+    if isinstance(layers, str) and layers.strip():
+        ms = [int(m) for m in layers.split("/")]
+        return sum(ms) / len(ms)
+    return float(row["m_max"])
+
+
+def budget_rule_points(runs: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any]
+                       ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, Any]:
+    """The budget experiment per storage and rule (:data:`BUDGET_RULES`): SpecPrefetch's paired gain vs the block's
+    OFF, throughput and mean budget per prediction step (:func:`summarize`); the loss against the block's fastest
+    rule, ``(tps(best) - tps(rule)) / tps(best)`` per repeat (one block: paired); and, where the sweep ran on the
+    storage, its paired gains per uniform budget (its own block and OFF). Returns (points, losses, sweep, selection)."""
+    sel = select_device(runs, path, cfg)
+    mine = runs[(runs["platform"] == sel.platform) & (runs["model"] == sel.model)
+                & (runs["source"] == sel.sources[0])]
+    rows = mine[mine["experiment"] == "budget"]
+    require_rows(rows, path, "the budget-rule figure", policy="specprefetch")
+    g = paired_gains(rows[rows["policy"].isin(["off", "specprefetch"])], path)
+    spec = g[g["policy"] == "specprefetch"]
+    spec = spec.assign(rule=[_rule_of(r) for _, r in spec.iterrows()],
+                       budget=[_mean_budget(r) for _, r in spec.iterrows()])
+    unknown = sorted(set(spec["rule"]) - set(BUDGET_RULES))
+    if unknown:
+        raise RenderInputError(f"{path}: unknown budget_rule {', '.join(unknown)} (one of {', '.join(BUDGET_RULES)})")
+    points = summarize(spec, ["storage", "rule"], ["gain_pct", "tokens_per_s", "budget"])
+    losses = []
+    for st, gs in spec.groupby("storage", sort=False):
+        tps = gs.pivot_table(index="repeat", columns="rule", values="tokens_per_s")
+        best = str(tps.mean().idxmax())
+        for rule in tps.columns:
+            loss = (tps[best] - tps[rule]) / tps[best] * 100.0
+            losses.append({"storage": st, "rule": rule, "best": best,
+                           "loss": repeat_stats(loss, pd.Series(loss.index, index=loss.index))})
+    sweep = mine[(mine["experiment"] == "sweep") & mine["policy"].isin(["off", "specprefetch"])
+                 & mine["storage"].isin(set(spec["storage"]))]
+    sweep_pts = pd.DataFrame()
+    if not sweep.empty and (sweep["policy"] == "specprefetch").any():
+        sg = paired_gains(sweep, path)
+        sweep_pts = summarize(sg[sg["policy"] == "specprefetch"], ["storage", "m_max"], ["gain_pct"])
+    return points, pd.DataFrame(losses), sweep_pts, sel
+
+
+def figure_budget_rules(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv") -> FigureResult:
+    """Beyond the paper: the budget rules side by side in one block per storage (:func:`budget_rule_points`) --
+    SpecPrefetch's paired gain vs OFF against its mean budget per prediction step, one marker per rule (95 % CIs),
+    on the grey line of the uniform-budget sweep where it ran on that storage (its own block, for reference). Cells:
+    ``<storage>/<rule>/{gain,throughput,budget,loss}``; ``loss`` against the block's fastest rule."""
+    points, losses, sweep, sel = budget_rule_points(runs, path, cfg)
+    storages = [s for s in STORAGE_ORDER if s in set(points["storage"])]
+    cells: list[Cell] = []
+    n = len(storages)
+    cols = min(n, 4)
+    nrows = math.ceil(n / cols)
+    with _theme():
+        fig, axes = plt.subplots(nrows, cols, figsize=(TEXT_WIDTH_IN if cols > 2 else COLUMN_WIDTH_IN * 1.6,
+                                                       0.75 + 1.9 * nrows), squeeze=False, sharey=True, sharex=True)
+        for ax in axes.flat[n:]:
+            ax.set_visible(False)
+        for ax, st in zip(axes.flat, storages):
+            sw = sweep[sweep["storage"] == st] if not sweep.empty else sweep
+            if not sw.empty:
+                sw = sw.sort_values("m_max")
+                ax.errorbar(sw["m_max"], sw["gain_pct_mean"], yerr=_yerr(sw["gain_pct_mean"], sw["gain_pct_lo"],
+                                                                          sw["gain_pct_hi"]),
+                            color="#9E9E9E", linestyle="--", marker=".", markersize=3, linewidth=0.9, elinewidth=0.6,
+                            capsize=1.5, label="uniform $M$ sweep (own block)", zorder=1)
+            part = points[points["storage"] == st]
+            loss_of = {r["rule"]: r for _, r in losses[losses["storage"] == st].iterrows()}
+            for rule, (label, colour, marker) in BUDGET_RULES.items():
+                r = part[part["rule"] == rule]
+                if r.empty:
+                    continue
+                r = r.iloc[0]
+                ax.errorbar([r["budget_mean"]], [r["gain_pct_mean"]],
+                            yerr=[[r["gain_pct_mean"] - r["gain_pct_lo"]], [r["gain_pct_hi"] - r["gain_pct_mean"]]],
+                            color=colour, marker=marker, markersize=5, linestyle="none", elinewidth=0.9, capsize=2,
+                            markeredgecolor="white", markeredgewidth=0.5, label=label, zorder=3)
+                keys = {"storage": st, "rule": label, "budget_rule": rule}
+                cells += [_stat_cell(f"{st}/{rule}/gain", "gain", r["gain_pct_stats"], keys),
+                          _stat_cell(f"{st}/{rule}/throughput", "throughput", r["tokens_per_s_stats"], keys),
+                          _stat_cell(f"{st}/{rule}/budget", "m_max", r["budget_stats"], keys)]
+                lo = loss_of.get(rule)
+                if lo is not None and lo["best"] != rule:
+                    cells.append(_stat_cell(f"{st}/{rule}/loss", "gain", lo["loss"], {**keys, "best": lo["best"]}))
+            ax.axhline(0.0, color="#888888", linewidth=0.6, linestyle=":")
+            ax.set_title(storage_label(st), loc="left")
+            if len(loss_of) > 1:
+                best = next(iter(loss_of.values()))["best"]
+                ax.text(0.98, 0.04, f"fastest: {BUDGET_RULES[best][0]}", transform=ax.transAxes, ha="right",
+                        va="bottom", fontsize=6, color="#444444")
+        top = max([16.0, *points["budget_hi"], *(sweep["m_max"] if not sweep.empty else [])])
+        axes.flat[0].set_xscale("log", base=2)
+        axes.flat[0].set_xlim(0.75, top * 1.3)
+        axes.flat[0].xaxis.set_major_locator(matplotlib.ticker.FixedLocator([2.0 ** i for i in range(8)]))
+        axes.flat[0].xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        for row in axes:
+            row[0].set_ylabel("Gain vs OFF (%)")
+        fig.supxlabel("Mean budget per prediction step (experts)", fontsize=7.5)
+        handles: dict[str, Any] = {}
+        for ax in axes.flat[:n]:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                handles.setdefault(lab, h)
+        order = [v[0] for v in BUDGET_RULES.values()]
+        labels = sorted(handles, key=lambda lab: order.index(lab) if lab in order else len(order))
+        fig.legend([handles[lab] for lab in labels], labels, loc="upper center", ncol=min(len(labels), 5),
+                   frameon=False, bbox_to_anchor=(0.5, 1.0), columnspacing=1.0, handlelength=1.4, fontsize=6.5)
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
+    doc = TableDoc("fig_budget_rules", "Budget rules: gain vs mean budget per storage", cfg["profile"], cells,
+                   meta={"note": _caption_note(cfg, repeats_note(runs[runs["experiment"] == "budget"])),
+                         "model": sel.model, "platform": sel.platform, "ci": CI_META,
+                         "rules": {k: v[0] for k, v in BUDGET_RULES.items() if k in set(points["rule"])}})
+    return FigureResult(fig, doc)
+
+
 # --------------------------------------------------------------------------------------------- registry
 
 
@@ -1144,6 +1285,14 @@ FIGURES: dict[str, FigureSpec] = {
                                 "$d$ layers, against OFF (band), per storage (95\\,\\% CIs, paired bootstrap over "
                                 "repeats; labels: the paired gain and the budget).",
                                 "Look-ahead (beyond the paper)", optional=("runs",)),
+    "fig_budget_rules": FigureSpec("fig_budget_rules", ("runs",), _from_csv("runs", figure_budget_rules),
+                                   "Budget rules side by side, one block per storage: SpecPrefetch's paired "
+                                   "throughput gain vs OFF against its mean budget per prediction step under the "
+                                   "paper's window rule per storage and per layer and, with the extra rules "
+                                   "configured, the DP allotment of the per-layer total and the online EWMA rule "
+                                   "(95\\,\\% CIs, paired bootstrap over repeats); grey: the uniform-budget sweep "
+                                   "where it ran on the storage (its own block and OFF).",
+                                   "Budget rules (beyond the paper)"),
     "fig_pareto": FigureSpec("fig_pareto", ("recall", "params", "predictor_cost"), _build_pareto,
                              "What a predictor buys for what it costs: (a) ExpertRecall@$K$ (mean over workloads; "
                              "95\\,\\% t-interval over training seeds) against trainable parameters, (b) against "
