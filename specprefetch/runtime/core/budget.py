@@ -34,6 +34,7 @@ from typing import Any
 
 from specprefetch.contracts import POLICY, ContractError, check_window_profile, read_doc
 from specprefetch.io import SpecPrefetchError
+from specprefetch.runtime.core.timeline import busy_s
 
 AUTO = "auto"
 # profile.json's ``m_max_rule``: how the window profile's budgets were derived
@@ -284,20 +285,16 @@ class EwmaBudget:
         """Fold in the service time of every decoding step before ``step`` whose transfers ``log`` (the I/O backend's
         transfers in submission order) newly holds: per step, the time some charged transfer was running over the
         number that ran."""
-        by_step: dict[int, list[tuple[float, float]]] = {}
+        by_step: dict[int, list[Any]] = {}
         i = self._seen
         while i < len(log) and log[i].step < step:
             tr = log[i]
             if tr.state == "done" and tr.charged and tr.t_end > tr.t_start > 0:
-                by_step.setdefault(tr.step, []).append((tr.t_start, tr.t_end))
+                by_step.setdefault(tr.step, []).append(tr)
             i += 1
         self._seen = i
-        for spans in by_step.values():
-            busy, end = 0.0, float("-inf")
-            for a, b in sorted(spans):
-                busy += max(0.0, b - max(a, end))
-                end = max(end, b)
-            self._fold("transfer_ms", busy / len(spans) * 1e3)
+        for trs in by_step.values():
+            self._fold("transfer_ms", busy_s(trs) / len(trs) * 1e3)
 
     def budget(self, queued: int, lookahead: int = 1) -> int:
         """M_max now, with ``queued`` transfers queued or running."""

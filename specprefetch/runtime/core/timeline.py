@@ -58,6 +58,15 @@ def window_ms(ev: LayerEvent, nxt: LayerEvent) -> float:
     return (nxt.t_exec - ev.t_pred - ev.stall_s) * 1e3
 
 
+def busy_s(transfers: Iterable[Any]) -> float:
+    """The time some of ``transfers`` was running: the union of their ``[t_start, t_end)`` intervals, in s."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted((tr.t_start, tr.t_end) for tr in transfers):
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return busy
+
+
 def routing_rows(events: Iterable[LayerEvent]) -> list[dict[str, Any]]:
     """The recorded routing of a run's events (``record_routing``): one ``{step, layer, topk, scores}`` row per
     layer call, the form of a benchmark's routing record and the simulator's input

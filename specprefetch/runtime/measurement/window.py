@@ -52,7 +52,7 @@ from specprefetch.contracts import BUDGET_CURVE_COLUMNS, EMULATED, LATENCY_PARTS
 from specprefetch.io import atomic_path, provenance, write_json_atomic
 from specprefetch.runtime.core.budget import RULE, budget_storages, derive_m_max, is_auto, window_budgets
 from specprefetch.runtime.core.storage import ExpertReader, host_buffer, measure_transfer_ms
-from specprefetch.runtime.core.timeline import LayerEvent, routing_rows, window_ms
+from specprefetch.runtime.core.timeline import LayerEvent, busy_s, routing_rows, window_ms
 from specprefetch.runtime.measurement.session import Harness, RunResult
 
 log = logging.getLogger(__name__)
@@ -294,15 +294,6 @@ def decoding_transfers(res: RunResult) -> list[Any]:
     decoding = {ev.step for ev in res.events if ev.n_tokens == 1}
     return [tr for tr in res.transfers
             if tr.state == "done" and tr.charged and tr.step in decoding and tr.t_end > tr.t_start > 0]
-
-
-def busy_s(transfers: list[Any]) -> float:
-    """The time some of ``transfers`` was running: the union of their ``[t_start, t_end)`` intervals, in s."""
-    busy, end = 0.0, float("-inf")
-    for a, b in sorted((tr.t_start, tr.t_end) for tr in transfers):
-        busy += max(0.0, b - max(a, end))
-        end = max(end, b)
-    return busy
 
 
 def service_transfer_ms(res: RunResult) -> float:
