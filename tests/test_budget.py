@@ -444,3 +444,20 @@ def test_budget_experiment_runs_the_extra_rules() -> None:
     assert len(only["budget"]) == 3
     with pytest.raises(SpecPrefetchError, match="no DP budgets for nvme_cold"):
         plan_experiments(s, {"nvme_cold": 2}, ["budget"], per_layer)
+
+
+def test_dp_values_are_the_right_candidates_among_the_first_m() -> None:
+    """The DP rule's worth of the M-th prefetch into a layer: how often the M-th candidate (as selected, absent
+    experts in priority order) was among the layer's experts, averaged over decoding steps; non-decreasing in M."""
+    from specprefetch.runtime.core.timeline import LayerEvent
+    from specprefetch.runtime.simulation.budget_model import right_candidates
+
+    def ev(step: int, layer: int, required: list[int], cands: list[int]) -> LayerEvent:
+        e = LayerEvent(step=step, layer=layer, n_tokens=1, t_exec=0.0, required=required, hits=0, inflight=0,
+                       misses=0, ready_pairs=0, t_pred=0.0 if cands else None)
+        e.candidates = cands
+        return e
+
+    events = [ev(0, 0, [0, 1], [3, 5, 7]), ev(0, 1, [5, 7], []), ev(1, 0, [0, 1], [5, 2, 9]), ev(1, 1, [5, 6], [])]
+    (layer1,) = right_candidates(events, 2, 3)
+    assert layer1 == {1: 0.5, 2: 1.0, 3: 1.5}  # step 0: 3 no, 5 yes, 7 yes; step 1: 5 yes, then none

@@ -52,7 +52,8 @@ from specprefetch.runtime.simulation.simulator import (
 SIM_RULE = ("the fastest M_max = 1..max(device.sweep_m_max) in the trace-driven simulator fed the window profile and "
             "the recorded routing of its offloaded predicting run (ties: the smaller)")
 DP_RULE = ("the window rule's per-layer total sum_l floor(W_l / t) allotted across layers by dynamic programming to "
-           "the most ready hits, each layer's at a budget from the simulated run at that uniform budget")
+           "the most right prefetches, each layer's first M candidates scored against its demand in the simulated run "
+           "at the largest budget")
 # W/t on the w_over_t curve: 0.5 (a transfer takes two windows) to 8 (eight fit), evenly on a log axis (x sqrt 2)
 W_OVER_T_GRID = tuple(round(0.5 * 2 ** (k / 2), 4) for k in range(9))
 
@@ -68,7 +69,7 @@ class _Sim:
         self.workers = int(profile["io_workers"])
         self.budgets = range(1, max(int(m) for m in settings["sweep_m_max"]) + 1)
         self._curves: dict[tuple[Any, ...], tuple[float, dict[int, float], int]] = {}
-        self._hits: dict[tuple[Any, ...], dict[int, list[float]]] = {}
+        self._right: dict[tuple[Any, ...], list[dict[int, float]]] = {}
 
     def run(self, policy: str, m_max: int, compute: ComputeProfile, device: StorageProfile,
             fixed: float | None) -> SimResult:
@@ -78,43 +79,56 @@ class _Sim:
     def curve(self, compute: ComputeProfile, device: StorageProfile, fixed: float | None
               ) -> tuple[float, dict[int, float], int]:
         """(OFF, SpecPrefetch per budget, the fastest budget); storages of one device model (e.g. emulated ones
-        without a delay on a disk faster than their datasheet) are simulated once. The runs' ready hits per layer
-        are kept for :meth:`layer_hits`."""
+        without a delay on a disk faster than their datasheet) are simulated once. The largest budget's run gives
+        :meth:`layer_values`."""
         key = (repr(compute), replace(device, name=""), fixed)
         if key not in self._curves:
             off = self.run("off", 0, compute, device, fixed).tokens_per_s
             runs = {m: self.run("specprefetch", m, compute, device, fixed) for m in self.budgets}
             per = {m: r.tokens_per_s for m, r in runs.items()}
             self._curves[key] = (off, per, fastest(per))
-            self._hits[key] = {m: ready_hits_per_layer(r.events, len(self.seqs[0].steps[0].topk))
-                               for m, r in runs.items()}
+            top = max(runs)
+            self._right[key] = right_candidates(runs[top].events, len(self.seqs[0].steps[0].topk), top)
         return self._curves[key]
 
-    def layer_hits(self, compute: ComputeProfile, device: StorageProfile, fixed: float | None
-                   ) -> list[dict[int, float]]:
-        """Per layer prefetched into (1..L-1), the mean ready hits per decoding token at each uniform budget."""
+    def layer_values(self, compute: ComputeProfile, device: StorageProfile, fixed: float | None
+                     ) -> list[dict[int, float]]:
+        """Per layer prefetched into (1..L-1): :func:`right_candidates` of the simulated run at the largest budget."""
         self.curve(compute, device, fixed)
-        hits = self._hits[(repr(compute), replace(device, name=""), fixed)]
-        return [{m: hits[m][layer] for m in self.budgets} for layer in range(1, len(next(iter(hits.values()))))]
+        return self._right[(repr(compute), replace(device, name=""), fixed)]
 
 
-def ready_hits_per_layer(events: Sequence[Any], n_layers: int) -> list[float]:
-    """Per layer, the mean over decoding events of its required experts resident at t_exec (its ready hits)."""
-    sums, counts = [0.0] * n_layers, [0] * n_layers
-    for ev in events:
-        if ev.n_tokens == 1:
-            sums[ev.layer] += ev.hits
-            counts[ev.layer] += 1
-    return [s / c if c else 0.0 for s, c in zip(sums, counts)]
+def right_candidates(events: Sequence[Any], n_layers: int, top: int) -> list[dict[int, float]]:
+    """Per layer prefetched into (1..L-1) and budget ``M = 1..top``: the mean over decoding steps of how many of the
+    first ``M`` prefetch candidates (the absent experts in priority order, as the run selected them at budget
+    ``top``) the layer then needed. Non-decreasing in ``M`` by construction: what the ``M``-th prefetch into a
+    layer is worth, with the cache as the run had it."""
+    by = {(ev.step, ev.layer): ev for ev in events if ev.n_tokens == 1}
+    sums = [[0.0] * (top + 1) for _ in range(n_layers)]
+    counts = [0] * n_layers
+    for (step, layer), ev in by.items():
+        nxt = by.get((step, layer + 1))
+        if nxt is None or ev.t_pred is None:
+            continue
+        need = set(nxt.required)
+        right = 0
+        for m in range(1, top + 1):
+            if m <= len(ev.candidates) and ev.candidates[m - 1] in need:
+                right += 1
+            sums[layer + 1][m] += right
+        counts[layer + 1] += 1
+    return [{m: sums[layer][m] / counts[layer] if counts[layer] else 0.0 for m in range(1, top + 1)}
+            for layer in range(1, n_layers)]
 
 
-def dp_layer_budgets(hits: Sequence[Mapping[int, float]], window_layers: Sequence[int]) -> list[int]:
+def dp_layer_budgets(values: Sequence[Mapping[int, float]], window_layers: Sequence[int]) -> list[int]:
     """The DP rule's per-layer budgets (beyond the paper): the window rule's per-layer total
-    ``sum_l floor(W_l / t)`` allotted across the layers (:func:`~specprefetch.runtime.core.budget.allot_layer_budgets`)
-    to the most ready hits, each layer's hits at a budget read from the simulated run at that uniform budget
-    (separable, as AdapMoE's per-layer allotment: a layer's hits are taken as not depending on the others'
-    budgets)."""
-    return list(allot_layer_budgets(hits, int(sum(int(m) for m in window_layers))))
+    ``sum_l floor(W_l / t)`` transfers per token allotted across the layers
+    (:func:`~specprefetch.runtime.core.budget.allot_layer_budgets`) to the most right prefetches, each layer's worth at
+    a budget from :func:`right_candidates` (separable, as AdapMoE's per-layer allotment from per-layer accuracies:
+    a layer's candidates are taken as not depending on the other layers' budgets, and the total, not each layer's
+    window, bounds the transfers)."""
+    return list(allot_layer_budgets(values, int(sum(int(m) for m in window_layers))))
 
 
 def fastest(per_budget: Mapping[int, float]) -> int:
@@ -160,7 +174,7 @@ def budget_curves(profile: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
         compute, device, fixed = profile_inputs(dict(profile), st, dict(settings))
         off, per, best = sim.curve(compute, device, fixed)
         chosen[st] = best
-        dp[st] = dp_layer_budgets(sim.layer_hits(compute, device, fixed), profile["m_max_per_layer"][st])
+        dp[st] = dp_layer_budgets(sim.layer_values(compute, device, fixed), profile["m_max_per_layer"][st])
         x = w / isolated_ms(profile, st)
         common = {**head, "storage": st, "w_over_t": x, "transfer_ms": isolated_ms(profile, st),
                   "off_tokens_per_s": off, "m_max_window": int(window_rule[st]), "m_max_simulated": best}
@@ -191,4 +205,4 @@ def _gain(tps: float, off: float) -> float:
 
 
 __all__ = ["DP_RULE", "SIM_RULE", "W_OVER_T_GRID", "budget_curves", "dp_layer_budgets", "fastest",
-           "ready_hits_per_layer", "shaped_device"]
+           "right_candidates", "shaped_device"]
