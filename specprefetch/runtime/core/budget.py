@@ -246,7 +246,9 @@ class EwmaBudget:
     - ``t_ewma``: the same average of each finished decoding step's per-expert service time (the time its storage
       was serving some transfer over the number it served, as ``profile_window`` measures it), seeded with the
       profile's service time of the storage;
-    - ``q``: the transfers queued or running at the prediction step (the queue the new prefetches wait behind);
+    - ``q``: the transfers queued or running at the prediction step that the new prefetches wait behind, but the
+      predicting layer's own demand loads (the measured window already leaves out the time the layer stalls for
+      them; counting them again would take the window twice);
     - ``d``: the look-ahead (the window summed over d layers).
 
     The paper's rule is the same quotient from the profile alone, fixed for the whole run. MoE-Infinity sizes its

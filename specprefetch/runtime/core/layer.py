@@ -221,9 +221,10 @@ class LayerLoop:
         if self.record:
             ev.scores = torch.as_tensor(s).clone()
         self.io.poll()
-        with self.cache.lock:
-            ev.m_max = (self.budget_of(target) if self.online is None
-                        else self.online.budget(len(self.io.active), provider.lookahead))
+        with self.cache.lock:  # the online rule: the transfers ahead of the new prefetches, but the layer's own
+            # demand (its stall is not part of the measured window)
+            ev.m_max = (self.budget_of(target) if self.online is None else
+                        self.online.budget(sum(1 for key in self.io.active if key not in protect), provider.lookahead))
         issue_prefetches(self.cache, self.io, self.issued, ev, step, target, s, ev.m_max,
                          provider.empty_when_zero, self.issues, protect, self.topm_absent)
 
