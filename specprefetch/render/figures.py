@@ -263,11 +263,11 @@ def rule_losses(sweep: pd.DataFrame, runs: pd.DataFrame, sel: Any, variant: str 
     """Per storage the sweep ran on: how much throughput a budget rule's budget loses against the sweep's fastest
     budget, ``(tps(best) - tps(rule)) / tps(best)`` in percent per repeat (the sweep's runs of one repeat share a
     block: paired), as a cell with its CI: ``<storage>/rule_loss`` for the budget the storage's other experiments ran
-    SpecPrefetch at (storage, matched, main; a variant's own: the configured rule's, by default the paper's window
-    rule), ``<storage>/sim_rule_loss`` for the simulated rule's (``simulated``: storage -> budget, from
+    SpecPrefetch at (storage, matched, main, budget; a variant's own: the configured rule's, by default the paper's
+    window rule), ``<storage>/sim_rule_loss`` for the simulated rule's (``simulated``: storage -> budget, from
     budget_curve.csv). A storage without the budget, or whose sweep did not measure it, has no cell. A variant's
     cells carry its name (key ``variant``, id prefix ``<variant>:``)."""
-    names = [variant_experiment(e, variant) for e in ("storage", "matched", "main")]
+    names = [variant_experiment(e, variant) for e in ("storage", "matched", "main", "budget")]
     other = runs[(runs["platform"] == sel.platform) & (runs["model"] == sel.model)
                  & (runs["source"] == sel.sources[0]) & runs["experiment"].isin(names)
                  & (runs["policy"] == "specprefetch")]
@@ -1156,7 +1156,8 @@ def figure_budget_rules(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path |
                 if r.empty:
                     continue
                 r = r.iloc[0]
-                ax.errorbar([r["budget_mean"]], [r["gain_pct_mean"]],
+                dodge = 2.0 ** (0.07 * (list(BUDGET_RULES).index(rule) - 1.5))  # equal budgets stay visible
+                ax.errorbar([r["budget_mean"] * dodge], [r["gain_pct_mean"]],
                             yerr=[[r["gain_pct_mean"] - r["gain_pct_lo"]], [r["gain_pct_hi"] - r["gain_pct_mean"]]],
                             color=colour, marker=marker, markersize=5, linestyle="none", elinewidth=0.9, capsize=2,
                             markeredgecolor="white", markeredgewidth=0.5, label=label, zorder=3)
@@ -1171,7 +1172,7 @@ def figure_budget_rules(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path |
             ax.set_title(storage_label(st), loc="left")
             if len(loss_of) > 1:
                 best = next(iter(loss_of.values()))["best"]
-                ax.text(0.98, 0.04, f"fastest: {BUDGET_RULES[best][0]}", transform=ax.transAxes, ha="right",
+                ax.text(0.98, 0.04, f"fastest mean: {BUDGET_RULES[best][0]}", transform=ax.transAxes, ha="right",
                         va="bottom", fontsize=6, color="#444444")
         top = max([16.0, *points["budget_hi"], *(sweep["m_max"] if not sweep.empty else [])])
         axes.flat[0].set_xscale("log", base=2)
@@ -1290,8 +1291,9 @@ FIGURES: dict[str, FigureSpec] = {
                                    "throughput gain vs OFF against its mean budget per prediction step under the "
                                    "paper's window rule per storage and per layer and, with the extra rules "
                                    "configured, the DP allotment of the per-layer total and the online EWMA rule "
-                                   "(95\\,\\% CIs, paired bootstrap over repeats); grey: the uniform-budget sweep "
-                                   "where it ran on the storage (its own block and OFF).",
+                                   "(95\\,\\% CIs, paired bootstrap over repeats; markers nudged sideways so equal "
+                                   "budgets stay visible); grey: the uniform-budget sweep where it ran on the storage "
+                                   "(its own block and OFF).",
                                    "Budget rules (beyond the paper)"),
     "fig_pareto": FigureSpec("fig_pareto", ("recall", "params", "predictor_cost"), _build_pareto,
                              "What a predictor buys for what it costs: (a) ExpertRecall@$K$ (mean over workloads; "
