@@ -65,7 +65,7 @@ def device_settings(cfg: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"invalid config key 'device.sweep_storages': {st!r} is not one of device.storages "
                               "(a storage is swept at its own profiled budget)")
     if d["extra_rules"] and (d["m_max"] != "auto" or d["budget_rule"] != "window"):
-        raise ConfigError("invalid config key 'device.extra_rules': the DP and EWMA rules start from the window "
+        raise ConfigError("invalid config key 'device.extra_rules': the extra rules start from the window "
                           f"rule's budgets, so they need device.m_max: auto and device.budget_rule: window (got "
                           f"{d['m_max']!r} and {d['budget_rule']!r})")
     ahead = d["lookahead"]

@@ -442,8 +442,17 @@ def test_budget_experiment_runs_the_extra_rules() -> None:
     only = plan_experiments(_settings(storages=["nvme_cold"], slow_storage="nvme_cold"), {"nvme_cold": 2},
                             ["budget"], per_layer)
     assert len(only["budget"]) == 3
-    with pytest.raises(SpecPrefetchError, match="no DP budgets for nvme_cold"):
+    with pytest.raises(SpecPrefetchError, match="no dp-rule budget for nvme_cold"):
         plan_experiments(s, {"nvme_cold": 2}, ["budget"], per_layer)
+    # the simulated rule's budget in the same block: its own run where it differs from the window rule's, else a row
+    # of that run under its name
+    sim = _settings(storages=["nvme_cold"], slow_storage="nvme_cold", extra_rules=["simulated"])
+    got = plan_experiments(sim, {"nvme_cold": 2}, ["budget"], per_layer, sim_m_max={"nvme_cold": 4})["budget"]
+    assert [(c.label, c.rule) for c in got][-1] == ("specprefetch M=4 (SIMULATED)", "simulated")
+    same = plan_experiments(sim, {"nvme_cold": 2}, ["budget"], per_layer, sim_m_max={"nvme_cold": 2})["budget"]
+    assert same[-1].signature == same[1].signature and same[-1].rule == "simulated"
+    with pytest.raises(SpecPrefetchError, match="no simulated-rule budget for nvme_cold"):
+        plan_experiments(sim, {"nvme_cold": 2}, ["budget"], per_layer)
 
 
 def test_dp_values_are_the_right_candidates_among_the_first_m() -> None:

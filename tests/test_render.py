@@ -135,13 +135,15 @@ def _runs_rows(model: str = "tiny-deepseek-vl2", repeats: int = 5) -> pd.DataFra
     # (device.extra_rules) on the cold disk; the window rule alone on the slow one
     for storage, off, specs in (("nvme_cold", 3.753, (({}, 1.07), ({"layer_m_max": "7/9/8"}, 1.05),
                                                       ({"layer_m_max": "6/10/8", "budget_rule": "dp"}, 1.09),
-                                                      ({"budget_rule": "ewma", "m_max_mean": 6.5}, 1.03))),
+                                                      ({"budget_rule": "ewma", "m_max_mean": 6.5}, 1.03),
+                                                      ({"budget_rule": "simulated", "m_max": 10}, 1.08))),
                                 ("slow_ufs", 2.2, (({}, 1.2),))):
         for r in range(repeats):
             drift = 1.0 + rng.normal(0, 0.03)
             for policy, m_max, extra, g in (("off", 0, {}, 1.0), *(("specprefetch", 8, e, g) for e, g in specs)):
                 rows.append({"platform": "cpu-local", "model": model, "experiment": "budget", "policy": policy,
-                             "storage": storage, "m_max": m_max, "compute_opt": True, "repeat": r,
+                             "storage": storage, "m_max": m_max, "compute_opt": True,
+                             "repeat": r,
                              "tokens_per_s": round(off * g * drift * (1 + rng.normal(0, 0.01)), 4),
                              "ready_recall": 0.8, "n_tokens": 64, "hits": 500, "misses": 80, "prefetched": 400,
                              "wasted": 40, "stall_ms": 120.0, "source": "measured", **extra})
@@ -1081,7 +1083,9 @@ def test_budget_rules_figure_pairs_every_rule_with_its_blocks_off(cfg: dict, tmp
                                                 np.where(part["layer_m_max"].fillna("") != "", "layer", "window"))
     tps = {r: part[(part["policy"] == "specprefetch") & (rule == r)].set_index("repeat")["tokens_per_s"]
            for r in ("window", "layer", "dp", "ewma")}
-    for r, budget in (("window", 8.0), ("layer", 8.0), ("dp", 8.0), ("ewma", 6.5)):
+    tps["simulated"] = part[(part["policy"] == "specprefetch") & (rule == "simulated")].set_index("repeat")[
+        "tokens_per_s"]
+    for r, budget in (("window", 8.0), ("layer", 8.0), ("dp", 8.0), ("ewma", 6.5), ("simulated", 10.0)):
         gain = doc[f"nvme_cold/{r}/gain"]
         assert gain.value == pytest.approx(((tps[r] / off - 1) * 100).mean()) and gain.lo < gain.value < gain.hi
         assert doc[f"nvme_cold/{r}/throughput"].value == pytest.approx(tps[r].mean())
@@ -1091,7 +1095,7 @@ def test_budget_rules_figure_pairs_every_rule_with_its_blocks_off(cfg: dict, tmp
     assert loss.value == pytest.approx(((tps["dp"] - tps["ewma"]) / tps["dp"] * 100).mean()) and loss.lo > 0
     assert loss.keys["best"] == "dp"
     assert set(doc) >= {"slow_ufs/window/gain"} and not any(k.startswith("slow_ufs/dp") for k in doc)
-    assert set(res.doc.meta["rules"]) == {"window", "layer", "dp", "ewma"}
+    assert set(res.doc.meta["rules"]) == {"window", "layer", "dp", "ewma", "simulated"}
     save_figure(res.fig, tmp_path / "fig_budget_rules")
     assert (tmp_path / "fig_budget_rules.png").stat().st_size > 0
     bad = runs.assign(budget_rule=np.where(runs["budget_rule"].fillna("") == "dp", "oracle", runs["budget_rule"]))

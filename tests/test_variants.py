@@ -161,12 +161,12 @@ def test_extra_budget_rules_need_the_window_rule() -> None:
     """device.extra_rules start from the window rule's budgets: a configured M_max or the simulated rule is one line;
     an unknown rule is the schema's error."""
     cfg = _cfg()
-    cfg["device"]["extra_rules"] = ["dp", "ewma"]
+    cfg["device"]["extra_rules"] = ["dp", "ewma", "simulated"]
     validate_config(cfg)
     for key, value in (("m_max", 4), ("budget_rule", "simulated")):
         bad = _cfg()
         bad["device"].update({"extra_rules": ["ewma"], key: value})
-        with pytest.raises(ConfigError, match=r"'device.extra_rules': the DP and EWMA rules start from the window"):
+        with pytest.raises(ConfigError, match=r"'device.extra_rules': the extra rules start from the window"):
             validate_config(bad)
     cfg["device"]["extra_rules"] = ["oracle"]
     with pytest.raises(ConfigError, match="extra_rules"):

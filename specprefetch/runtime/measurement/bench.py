@@ -81,7 +81,7 @@ log = logging.getLogger(__name__)
 Signature = tuple[str, str, int, bool, tuple[int, ...], int, str]
 # budget rules beyond the paper a run can be named after (RunConfig.rule, runs.csv's budget_rule; "": the paper's
 # window rule, per storage or per layer); the runtime applies ONLINE_RULES itself, step by step
-EXTRA_RULES = ("dp", "ewma")
+EXTRA_RULES = ("dp", "ewma", "simulated")
 ONLINE_RULES = ("ewma",)
 
 
@@ -186,12 +186,14 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
                      layer_m_max: dict[str, tuple[int, ...]] | None = None,
                      rule_m_max: dict[str, set[int]] | None = None,
                      ahead_m_max: dict[str, dict[int, int]] | None = None,
-                     dp_m_max: dict[str, tuple[int, ...]] | None = None) -> dict[str, list[RunConfig]]:
+                     dp_m_max: dict[str, tuple[int, ...]] | None = None,
+                     sim_m_max: dict[str, int] | None = None) -> dict[str, list[RunConfig]]:
     """The configurations of every experiment, each storage at its own budget ``budgets[storage]`` (an integer:
     the same budget everywhere) and, for ``budget``, its per-layer budgets ``layer_m_max[storage]``; the sweep
     measures ``device.sweep_m_max``, the storage's budget and every rule's (``rule_m_max[storage]``); ``lookahead``
-    each distance at ``ahead_m_max[storage][d]``; ``budget`` also the DP rule's per-layer budgets ``dp_m_max[storage]``
-    and the online EWMA rule (:mod:`~specprefetch.runtime.core.budget` decides them all)."""
+    each distance at ``ahead_m_max[storage][d]``; ``budget`` also, with ``device.extra_rules``, the DP rule's per-layer
+    budgets ``dp_m_max[storage]``, the online EWMA rule and the simulated rule's budget ``sim_m_max[storage]``
+    (:mod:`~specprefetch.runtime.core.budget` decides them all)."""
     ref, slow = settings["reference_storage"], settings["slow_storage"]
     m_max = budgets if isinstance(budgets, dict) else defaultdict(lambda: int(budgets))
     per_layer = layer_m_max or {}
@@ -216,13 +218,17 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
                         for p in ("off", "specprefetch")]
         elif exp == "budget":
             extra = settings.get("extra_rules") or []
-            out[exp] = [RunConfig(exp, p, st, m_max[st], True, lb, rule=rule)
-                        for st in dict.fromkeys([ref, slow, *settings["storages"]])
-                        for p, lb, rule in (("off", (), ""), ("specprefetch", (), ""),
-                                            ("specprefetch", per_layer.get(st, ()), ""),
-                                            *((("specprefetch", _dp_layers(dp_m_max, st), "dp"),) if "dp" in extra
-                                              else ()),
-                                            *((("specprefetch", (), "ewma"),) if "ewma" in extra else ()))]
+            out[exp] = []
+            for st in dict.fromkeys([ref, slow, *settings["storages"]]):
+                m = m_max[st]
+                runs = [("off", m, (), ""), ("specprefetch", m, (), ""), ("specprefetch", m, per_layer.get(st, ()), "")]
+                if "dp" in extra:
+                    runs.append(("specprefetch", m, _rule_budget(dp_m_max, st, "dp"), "dp"))
+                if "ewma" in extra:
+                    runs.append(("specprefetch", m, (), "ewma"))
+                if "simulated" in extra:
+                    runs.append(("specprefetch", _rule_budget(sim_m_max, st, "simulated"), (), "simulated"))
+                out[exp] += [RunConfig(exp, p, st, mm, True, lb, rule=rule) for p, mm, lb, rule in runs]
             # per-layer budgets equal to the one budget: one run; a rule beyond the paper that chose the budgets of
             # another run is a row of that run under its own name
             out[exp] = list({(c.signature, c.rule): c for c in out[exp]}.values())
@@ -242,12 +248,12 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
     return out
 
 
-def _dp_layers(dp_m_max: dict[str, tuple[int, ...]] | None, storage: str) -> tuple[int, ...]:
-    if not dp_m_max or storage not in dp_m_max:
-        raise SpecPrefetchError(f"device.extra_rules has 'dp', but the window profile has no DP budgets for "
-                                f"{storage} (m_max_dp_per_layer; the budget must be auto by the window rule): rerun "
-                                "profile-window")
-    return dp_m_max[storage]
+def _rule_budget(table: dict[str, Any] | None, storage: str, rule: str) -> Any:
+    """The budget (or per-layer budgets) ``rule`` gives ``storage``, from the window profile."""
+    if not table or storage not in table:
+        raise SpecPrefetchError(f"device.extra_rules has {rule!r}, but the window profile has no {rule}-rule budget "
+                                f"for {storage} (the budget must be auto by the window rule): rerun profile-window")
+    return table[storage]
 
 
 @dataclass(frozen=True)
@@ -517,8 +523,12 @@ def _plan_blocks(settings: dict[str, Any], profile: dict[str, Any],
     ahead = settings.get("lookahead") or {}
     ahead_m = (lookahead_budgets(settings, profile, {st: m_max[st] for st in ahead.get("storages", [])},
                                  ahead.get("distances", [1])) if "lookahead" in exps else None)
+    extra = settings.get("extra_rules") or []
+    sim_m = (storage_budgets({**settings, "budget_rule": "simulated"}, profile, list(m_max))
+             if "simulated" in extra and "budget" in exps else None)
     plan = plan_experiments(settings, m_max, exps, layer_budgets(settings, profile, m_max),
-                            rule_budgets(settings, profile), ahead_m, layer_budgets(settings, profile, m_max, "dp"))
+                            rule_budgets(settings, profile), ahead_m, layer_budgets(settings, profile, m_max, "dp"),
+                            sim_m)
     blocks = storage_blocks(plan, settings["max_block_runs"])
     repeats = int(settings["repeats"])
     max_repeats = int(settings["max_repeats"] or repeats)
