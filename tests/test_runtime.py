@@ -670,8 +670,8 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
 def test_budget_experiment_runs_the_dp_and_ewma_rules_and_the_simulator_replays_them(tmp_path: Path) -> None:
     """device.extra_rules on a tiny model: profile-window writes the DP rule's per-layer budgets (the per-layer
     window rule's total or less, each within the sweep's range); the budget experiment decodes SpecPrefetch at them,
-    at the simulated rule's budget and with the online EWMA rule (runs.csv: budget_rule, and the mean budget it chose), both with the plain
-    model's tokens; the simulator replays the EWMA run with the same rule."""
+    at the simulated rule's budget and with the online EWMA rule (runs.csv: budget_rule, and the mean budget it
+    chose), all with the plain model's tokens; the simulator replays the EWMA run with the same rule."""
     import csv
 
     from specprefetch.config import section_defaults
