@@ -316,6 +316,11 @@ def ewma_budgets(profile: Mapping[str, Any] | None, n_experts: int) -> dict[str,
     return {st: EwmaBudget(w, float(t), int(n_experts)) for st, t in (profile.get("transfer_ms_used") or {}).items()}
 
 
+def online_budget(policy: str, ewma: EwmaBudget | None) -> EwmaBudget | None:
+    """A fresh online rule for one run of ``policy`` (None without one, or for a policy without a budget)."""
+    return ewma.fresh() if ewma is not None and has_budget(policy) else None
+
+
 def has_budget(policy: str) -> bool:
     """Whether runs of ``policy`` have a budget (the ``Policy`` table's ``budgeted``: they select at M_max)."""
     if policy not in POLICY:
@@ -370,6 +375,7 @@ __all__ = [
     "layer_budget",
     "layer_budgets",
     "lookahead_budgets",
+    "online_budget",
     "read_window_profile",
     "rule_budgets",
     "run_budget",

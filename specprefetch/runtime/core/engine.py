@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from specprefetch.contracts import POLICIES, POLICY
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.core.budget import EwmaBudget, layer_budget
+from specprefetch.runtime.core.budget import EwmaBudget, layer_budget, online_budget
 from specprefetch.runtime.core.cache import ExpertCache, Key, SlotPool
 from specprefetch.runtime.core.layer import LayerLoop
 from specprefetch.runtime.core.priority import PriorityProvider
@@ -205,15 +205,11 @@ class OffloadedRuntime:
                               sync=options.sync_prefetch,
                               retries=options.io_retries, record=options.record_routing,
                               topm_absent=tuple(options.topm_absent), load_error=self._load_error,
-                              online=self._online())
+                              online=online_budget(options.policy, options.ewma))
         self.originals: list[nn.Module | None] = []
         self.installed = False
         self.step = -1
         self._routing: dict[int, tuple[Tensor, Tensor]] = {}  # the latest step's routing per layer (adopt)
-
-    def _online(self) -> EwmaBudget | None:
-        """A fresh online budget for a run, when the options have one and the policy a budget."""
-        return self.opt.ewma.fresh() if self.opt.ewma is not None and self.policy.budgeted else None
 
     # -------------------------------------------------------------- lifecycle
     def install(self) -> OffloadedRuntime:
@@ -281,7 +277,7 @@ class OffloadedRuntime:
         self.events = []
         self.step = -1
         self.loop.issued.clear()
-        self.loop.online = self._online()
+        self.loop.online = online_budget(self.opt.policy, self.opt.ewma)
         self._routing.clear()
         if self.preload:
             self._preload_all()

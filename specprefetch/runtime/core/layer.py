@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import torch
 
+from specprefetch.runtime.core.budget import EwmaBudget
 from specprefetch.runtime.core.cache import CacheError, ExpertCache, Key
 from specprefetch.runtime.core.iobackend import IOBackend, TransferLike
 from specprefetch.runtime.core.priority import PriorityProvider, select_prefetch
@@ -163,7 +164,7 @@ class LayerLoop:
     record: bool = False                # keep each event's priorities (simulator input)
     topm_absent: tuple[int, ...] = ()   # record |Top_M(s) minus available| at t_pred for these M (Figure 1b)
     load_error: Callable[[Key], Exception] = _load_error  # the error when an expert cannot be loaded at all
-    online: Any = None                  # an online budget (EwmaBudget): it overrides ``budget_of`` when given
+    online: EwmaBudget | None = None    # an online budget rule: it overrides ``budget_of`` when given
     issued: Issued = field(default_factory=lambda: defaultdict(list))
     events: list[LayerEvent] = field(default_factory=list)
 
@@ -221,10 +222,12 @@ class LayerLoop:
         if self.record:
             ev.scores = torch.as_tensor(s).clone()
         self.io.poll()
-        with self.cache.lock:  # the online rule: the transfers ahead of the new prefetches, but the layer's own
-            # demand (its stall is not part of the measured window)
-            ev.m_max = (self.budget_of(target) if self.online is None else
-                        self.online.budget(sum(1 for key in self.io.active if key not in protect), provider.lookahead))
+        if self.online is None:
+            ev.m_max = self.budget_of(target)
+        else:  # the transfers ahead of the new prefetches, but the layer's own demand (its stall is not in the window)
+            with self.cache.lock:
+                queued = sum(1 for key in self.io.active if key not in protect)
+            ev.m_max = self.online.budget(queued, provider.lookahead)
         issue_prefetches(self.cache, self.io, self.issued, ev, step, target, s, ev.m_max,
                          provider.empty_when_zero, self.issues, protect, self.topm_absent)
 

@@ -114,8 +114,8 @@ class RunConfig:
         """Short and human: ``specprefetch M=4``, ``off (no compute opt)``, ``specprefetch M=7 per layer 6/6/7``,
         ``specprefetch M=8 d=2``."""
         per = f" per layer {layer_budgets_label(self.layers)}" if self.layers else ""
-        if self.rule and self.budget:
-            per += f" ({self.rule.upper()})"
+        if self.budget_rule:
+            per += f" ({self.budget_rule.upper()})"
         return (self.policy + (f" M={self.budget}" if self.budget else "") + per
                 + (f" d={self.ahead}" if self.ahead != 1 else "") + ("" if self.compute_opt else " (no compute opt)"))
 
@@ -135,10 +135,15 @@ class RunConfig:
         return run_budget(self.policy, self.m_max, self.layer_m_max).layers
 
     @property
+    def budget_rule(self) -> str:
+        """runs.csv's ``budget_rule``: the rule beyond the paper, "" for a policy without a budget."""
+        return self.rule if self.budget else ""
+
+    @property
     def online(self) -> str:
         """The online budget rule the runtime uses: "" for a policy without a budget or a rule the runtime is given
         the budgets of."""
-        return self.rule if self.budget and self.rule in ONLINE_RULES else ""
+        return self.budget_rule if self.rule in ONLINE_RULES else ""
 
     @property
     def signature(self) -> Signature:
@@ -153,10 +158,8 @@ def layer_budgets_label(budgets: tuple[int, ...]) -> str:
 
 def run_lookahead(row: Any) -> int:
     """A runs.csv row's look-ahead (1 where the column is empty or absent: the paper's next-layer prefetch)."""
-    v = row.get("lookahead") if hasattr(row, "get") else None
-    if v is None or (isinstance(v, float) and math.isnan(v)) or str(v).strip() == "":
-        return 1
-    return int(float(v))
+    text = _text(row.get("lookahead") if hasattr(row, "get") else None)
+    return int(float(text)) if text else 1
 
 
 def parse_layer_budgets(label: Any, m_max: int) -> tuple[int, ...]:
@@ -372,7 +375,7 @@ def run_row(res: RunResult, cfg: RunConfig, repeat: int, platform: str, model: s
         "expert_format": layout.quant if layout.quant != "none" else str(layout.dtype).removeprefix("torch."),
         "tokens_match": tokens_match, "tokens_sha256": tokens_sha256(res.tokens()), "bound_tokens_per_s": bound,
         "measured_in": cfg.experiment, "layer_m_max": layer_budgets_label(cfg.layers), "lookahead": cfg.ahead,
-        "budget_rule": cfg.rule if cfg.budget else "", "m_max_mean": mean_budget(res.events),
+        "budget_rule": cfg.budget_rule, "m_max_mean": mean_budget(res.events),
     }
 
 
@@ -642,7 +645,7 @@ def _experiment_rows(plan: dict[str, list[RunConfig]], blocks: list[Block], rec:
     """runs.csv's rows: every experiment's configurations, each repeat its block measured, from that block's run."""
     block_of = {(exp, b.storage): b.name for b in blocks for exp in b.experiments}
     return [{**rec.rows[(block_of[(exp, c.storage)], r, c.signature)], "experiment": exp,
-             "budget_rule": c.rule if c.budget else ""}
+             "budget_rule": c.budget_rule}
             for exp, configs in plan.items() for r in range(max(n_repeats.values(), default=0)) for c in configs
             if r < n_repeats[block_of[(exp, c.storage)]]]
 

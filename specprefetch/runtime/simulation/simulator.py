@@ -35,7 +35,7 @@ from torch import Tensor
 
 from specprefetch.contracts import POLICIES, POLICY
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.core.budget import EwmaBudget, layer_budget
+from specprefetch.runtime.core.budget import EwmaBudget, layer_budget, online_budget
 from specprefetch.runtime.core.cache import ExpertCache, Key
 from specprefetch.runtime.core.layer import LayerLoop
 from specprefetch.runtime.core.priority import PriorityProvider, builtin_provider
@@ -414,7 +414,7 @@ def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity
     loop = LayerLoop(cache, io, replay, pol.issues, n_layers, n_experts,
                      lambda layer: layer_budget(m_max, layer_m_max, layer),
                      compute_opt=compute_opt, sync=sync, load_error=_transfer_lost,
-                     online=ewma.fresh() if ewma is not None and pol.budgeted else None)
+                     online=online_budget(policy, ewma))
     work = _SimWork(io, compute, replay)
     step = -1
     n_tok, dec_s = 0, 0.0
