@@ -348,6 +348,13 @@ def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
         raise ConfigError(f"invalid config key 'predictors.lookahead.methods': "
                           f"{', '.join(m for m in ahead if m not in cfg['predictors']['methods'])} not in "
                           f"predictors.methods (a look-ahead method's d = 1 is its Table 1 predictor)")
+    if "pre_attention" in cfg["predictors"]["methods"] and not cfg["traces"]["pre_attention"]:
+        raise ConfigError("invalid config key 'traces.pre_attention': the pre_attention method (predictors.methods) "
+                          "reads each layer's pre-attention input, which the traces store only with "
+                          "traces.pre_attention: true")
+    if "pre_attention" in ahead:
+        raise ConfigError("invalid config key 'predictors.lookahead.methods': pre_attention predicts a layer from its "
+                          "own pre-attention input; it has no look-ahead distance")
     dm = cfg["predictors"].get("draft_model")
     for name in cfg["models"] if dm and "size" not in dm else ():  # a size rule solves d_model in heads' multiples
         d_model = (dm.get("d_model_per_model") or {}).get(name, dm["d_model"])

@@ -58,6 +58,7 @@ class Method:
     runtime_policy: bool = False  # a runtime prefetch policy of the same name, this predictor its priority provider
     sees_future: bool = False     # it reads the routing it predicts (the oracle): an upper bound, never run live
     source: str = "built-in"      # or the entry point it came from
+    extension: bool = False       # beyond the paper, yet a row of Tables 1 and 3 (marked so) when configured
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ BUILTIN_METHODS: tuple[Method, ...] = (
            target="specprefetch.predictors.previous_token"),
     Method("frequency", "Frequency", "#8C6D31", learned=False, target="specprefetch.predictors.frequency"),
     Method("oracle", "Oracle", "#000000", learned=False, target="specprefetch.predictors.oracle", sees_future=True),
+    # beyond the paper: layer l's experts from layer l's own pre-attention input (arXiv 2511.10676)
+    Method("pre_attention", "Pre-Attention", "#7B3294", learned=True, target="specprefetch.predictors.pre_attention",
+           extension=True),
 )
 
 BUILTIN_POLICIES: tuple[Policy, ...] = (

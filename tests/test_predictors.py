@@ -8,6 +8,7 @@ import json
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from specprefetch.config import load_config
 from specprefetch.io import SpecPrefetchError
 from specprefetch.predictors import METHODS, PredictorDims, PredictorError, build_predictor, load_predictor
+from specprefetch.predictors.base import multi_hot
 from specprefetch.predictors.data import TraceChunks, chunk_spans, iter_trace_batches
 from specprefetch.predictors.train import next_layer_kl, train_predictor
 from specprefetch.traces.store import TraceReader, TraceWriter
@@ -27,24 +29,32 @@ MODEL = "tiny-qwen3-vl-moe"  # smoke profile: L=3 MoE layers, D=32, n=16, K=4
 
 
 def make_trace(out: Path, workload: str = "corpus", n_samples: int = 40, L: int = 3, D: int = 32, n: int = 16,
-               K: int = 4, seed: int = 0, shard_tokens: int = 256, vocab: int = 200) -> Path:
+               K: int = 4, seed: int = 0, shard_tokens: int = 256, vocab: int = 200,
+               pre_attention: bool = False, sample_seed: int | None = None) -> Path:
     """A synthetic trace in the contract's format: a residual stream drifting across layers (so the next
-    gate on the current input is informative, like in a real MoE), random gates, true top-K routing."""
+    gate on the current input is informative, like in a real MoE), random gates, true top-K routing. With
+    ``pre_attention`` each layer's stream before a synthetic attention update is stored too (``pre``): the router
+    input is that stream after the update, so ``pre`` predicts the layer's routing well but not exactly."""
     g = torch.Generator().manual_seed(seed)
     gates = [torch.randn(n, D, generator=g) * 3 / D**0.5 for _ in range(L)]
     drift = [torch.randn(D, D, generator=g) * 0.5 / D**0.5 for _ in range(L)]
+    attn = [torch.randn(D, D, generator=g) * 0.3 / D**0.5 for _ in range(L)]
     emb = torch.randn(vocab, D, generator=g)
     meta = {"model": MODEL, "workload": workload, "arch": "qwen3_vl_moe", "n_experts": n, "top_k": K,
             "hidden_size": D, "moe_layers": list(range(L)), "scoring": "softmax",
             "routers": {f"gate.{i}.weight": gates[i] for i in range(L)}}
-    g = torch.Generator().manual_seed(seed + 1000)  # samples differ by seed, gates are the model's
-    with TraceWriter(out, meta, shard_tokens=shard_tokens) as w:
+    # samples differ by seed (or sample_seed: other samples of the same model), gates are the model's
+    g = torch.Generator().manual_seed(seed + 1000 if sample_seed is None else sample_seed)
+    with TraceWriter(out, meta, shard_tokens=shard_tokens, pre_attention=pre_attention) as w:
         for _ in range(n_samples):
             t = int(torch.randint(8, 40, (1,), generator=g))
             ids = torch.randint(0, vocab, (t,), generator=g)
             h = emb[ids] + 0.3 * torch.randn(t, D, generator=g)
-            xs, lg, tk = [], [], []
+            xs, lg, tk, pre = [], [], [], []
             for l in range(L):
+                if pre_attention:
+                    pre.append(h / h.norm(dim=-1, keepdim=True) * D**0.5)
+                    h = h + torch.tanh(h @ attn[l]) + 0.1 * torch.randn(t, D, generator=g)
                 x = h / h.norm(dim=-1, keepdim=True) * D**0.5
                 z = x @ gates[l].T
                 xs.append(x)
@@ -52,7 +62,7 @@ def make_trace(out: Path, workload: str = "corpus", n_samples: int = 40, L: int 
                 tk.append(z.topk(K).indices)
                 h = h + torch.tanh(h @ drift[l]) + 0.2 * torch.randn(t, D, generator=g)
             w.add_sample(xs, lg, tk, ids, torch.arange(t), torch.zeros(t, dtype=torch.uint8),
-                         (torch.arange(t) < t // 2).to(torch.uint8))
+                         (torch.arange(t) < t // 2).to(torch.uint8), pre=pre if pre_attention else None)
     return out
 
 
@@ -73,7 +83,10 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def batch(corpus: Path) -> dict:
-    return next(iter_trace_batches(TraceReader(corpus), 10_000))
+    """The corpus' tokens in one batch; the router inputs stand in for the pre-attention inputs (``pre``), the
+    pre_attention method's input."""
+    b = next(iter_trace_batches(TraceReader(corpus), 10_000))
+    return {**b, "pre": [x.clone() for x in b["x"]]}
 
 
 DIMS = PredictorDims(n_layers=3, hidden_size=32, n_experts=16, top_k=4, vocab_size=200)
@@ -728,6 +741,10 @@ def test_every_method_predicts_d_layers_ahead(method: str, batch: dict) -> None:
     and Naive Prefetch read layer 2's routing; learned methods size their per-pair parts by L - d."""
     dims = PredictorDims(n_layers=3, hidden_size=32, n_experts=16, top_k=4, vocab_size=200, lookahead=2)
     assert dims.n_pairs == 1 and dims.target(0) == 2
+    if method == "pre_attention":  # a layer from its own pre-attention input: no distance to look ahead
+        with pytest.raises(PredictorError, match="no look-ahead"):
+            build_predictor(method, None, dims)
+        return
     p = build_predictor(method, None, dims)
     if method == "fate":
         p.set_gates({f"gate.{i}.weight": torch.full((16, 32), float(i)) for i in range(3)})
@@ -811,3 +828,50 @@ def test_runtime_provider_carries_the_predictors_distance() -> None:
     dims = PredictorDims(n_layers=3, hidden_size=32, n_experts=16, top_k=4, lookahead=2)
     assert PredictorPriority(build_predictor("specprefetch", None, dims)).lookahead == 2
     assert PredictorPriority(build_predictor("specprefetch", None, DIMS)).lookahead == 1
+
+
+# --------------------------------------------------------------------------------------------- pre-attention
+
+
+def test_pre_attention_trains_on_the_pre_attention_input_and_beats_the_previous_layer(cfg: dict,
+                                                                                       tmp_path: Path) -> None:
+    """Beyond the paper: the pre-attention router reads layer l+1's own pre-attention input (``pre``), trains with the
+    KL plus the pairwise ranking loss, has SpecPrefetch's parameters at one rank, and on a trace where layer l+1's
+    pre-attention stream is closer to its router input than layer l's router input is, its recall beats
+    SpecPrefetch's at the same budget."""
+    from specprefetch.predictors.evaluate import evaluate_recall
+    from specprefetch.predictors.pre_attention import pairwise_ranking_loss
+
+    corpus = make_trace(tmp_path / "corpus", n_samples=60, pre_attention=True)
+    evaluation = make_trace(tmp_path / "eval", workload="w", n_samples=20, sample_seed=7, pre_attention=True)
+    reader = TraceReader(corpus)
+    assert reader.has_pre_attention and TraceReader(evaluation).manifest["dtypes"]["pre"] == "bfloat16"
+    batch = next(iter_trace_batches(reader, 10_000))
+    assert len(batch["pre"]) == 3 and batch["pre"][1].shape == batch["x"][1].shape
+    c = copy.deepcopy(cfg)
+    c["predictors"]["pre_attention"] = {"rank": 16, "rank_loss_weight": 1.0}
+    c["predictors"]["specprefetch"] = {"rank": 16}
+    metas = {m: train_predictor(c, MODEL, m, corpus, tmp_path / m) for m in ("pre_attention", "specprefetch")}
+    assert metas["pre_attention"]["trainable_params"] == metas["specprefetch"]["trainable_params"] == 2 * 16 * (32 + 16)
+    assert metas["pre_attention"]["final_loss"] < metas["pre_attention"]["loss_curve"][0]
+    pred = load_predictor(tmp_path / "pre_attention")
+    assert pred.stage == "pre_attention" and pred.method_cfg == {"rank": 16, "rank_loss_weight": 1.0}
+    with torch.no_grad():  # the loss is the KL plus the ranking term, which is > 0 unless every margin is huge
+        z = pred(batch)
+        rank = float(pairwise_ranking_loss(z, batch["topk"]))
+        assert float(pred.loss(z, batch)) == pytest.approx(float(next_layer_kl(z, batch["logits"])) + rank, rel=1e-5)
+        # a prediction that puts the executed experts far above the rest has (nearly) no ranking loss
+        perfect = [multi_hot(batch["topk"][l + 1], 16) * 50.0 for l in range(2)]
+        assert float(pairwise_ranking_loss(perfect, batch["topk"])) < 1e-6 < rank
+        # the input is layer l+1's pre-attention stream: changing layer 0's stream leaves pair 0 as it was
+        moved = {**batch, "pre": [batch["pre"][0] * 0.0, *batch["pre"][1:]]}
+        assert torch.equal(pred(moved)[0], z[0])
+    evaluate_recall(c, MODEL, "w", evaluation, {m: tmp_path / m for m in metas}, tmp_path / "recall" / "w.csv")
+    recall = pd.read_csv(tmp_path / "recall" / "w.csv").set_index(["method", "M"])["expert_recall"]
+    assert recall[("pre_attention", 4)] > max(0.5, recall[("specprefetch", 4)] + 0.01), recall  # chance: 0.25
+    # without the stored inputs it says what to do
+    with pytest.raises(PredictorError, match="traces.pre_attention: true"):
+        pred({k: v for k, v in batch.items() if k != "pre"})
+    with pytest.raises(PredictorError, match="no look-ahead"):
+        build_predictor("pre_attention", c, PredictorDims(n_layers=3, hidden_size=32, n_experts=16, top_k=4,
+                                                          lookahead=2))

@@ -226,7 +226,8 @@ def test_a_plugin_is_trained_evaluated_and_rendered(plugin: Path, tmp_path: Path
     assert t1.index("ProMoE &") < t1.index(f"{PLUGIN_LABEL} &") < t1.index("SpecPrefetch &")  # rows of a benchmark
     assert PLUGIN_LABEL not in rows["table2_ablation"]  # SpecPrefetch's own ablation
     t3 = rows["table3_params"]
-    assert f"ProMoE & {PLUGIN_LABEL} & SpecPrefetch" in t3  # the header: the plugin's column before the paper's
+    # the header: the extension's and the plugin's columns before the paper's method
+    assert f"ProMoE & Pre-Attention$^\\star$ & {PLUGIN_LABEL} & SpecPrefetch" in t3
     import json
 
     doc = json.loads((out / "table3_params.json").read_text())

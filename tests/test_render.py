@@ -71,7 +71,8 @@ def _params_rows(cfg: dict) -> pd.DataFrame:
     rows = []
     for model, mc in cfg["models"].items():
         d, n, lm1 = mc["hidden_size"], mc["n_experts"], n_moe_layers(mc) - 1
-        counts = {"specprefetch": lm1 * 16 * (d + n), "single_mlp": d * 256 + 256 + 256 * n + n,
+        counts = {"specprefetch": lm1 * 16 * (d + n), "pre_attention": lm1 * 16 * (d + n),
+                  "single_mlp": d * 256 + 256 + 256 * n + n,
                   "promoe": lm1 * (d * d + d + d * n + n), "draft_model": 4096 * 128 + 2 * 197_120 + 128 * n * lm1}
         counts |= {m: 0 for m in ("fate", "previous_token", "frequency", "oracle")  # training-free, as gathered
                    if m in cfg["predictors"]["methods"]}
@@ -82,7 +83,7 @@ def _params_rows(cfg: dict) -> pd.DataFrame:
 def _cost_rows(cfg: dict) -> pd.DataFrame:
     """predictor_cost.csv: each live method's prediction time per layer pair as a share of one MoE layer."""
     share = {"specprefetch": 0.02, "fate": 0.007, "single_mlp": 0.04, "promoe": 0.03, "draft_model": 0.08,
-             "previous_token": 0.015, "frequency": 0.0015}
+             "previous_token": 0.015, "frequency": 0.0015, "pre_attention": 0.02}
     params = _params_rows(cfg).set_index(["model", "method"])["trainable_params"]
     return pd.DataFrame([{"model": model, "method": m, "trainable_params": int(params[(model, m)]),
                           "layer_us": 2500.0, "predict_us": 2500.0 * v, "ratio": v, "ratio_lo": 0.8 * v,
@@ -293,11 +294,13 @@ def test_table1_layout_and_numbers(rendered: Path) -> None:
     tex = (rendered / "table1_recall.tex").read_text()
     for piece in (r"\toprule", r"\bottomrule", r"\multicolumn{3}{c}{Qwen3-VL-30B-A3B}",
                   r"\multicolumn{3}{c}{DeepSeek-VL2-Tiny}", r"R@4$^\dagger$ & R@8 & R@10 & R@3$^\dagger$ & R@6 & R@8",
-                  r"\multirow{8}{*}{\begin{tabular}[c]{@{}l@{}}LLM\\Workloads", r"\multirow{12}{*}",
-                  r"\multirow{4}{*}{GSM8K}", "embedded default", "tiny stand-ins mirroring Qwen3-VL-30B-A3B"):
+                  r"\multirow{10}{*}{\begin{tabular}[c]{@{}l@{}}LLM\\Workloads", r"\multirow{15}{*}",
+                  r"\multirow{5}{*}{GSM8K}", "embedded default", "tiny stand-ins mirroring Qwen3-VL-30B-A3B",
+                  r"Pre-Attention$^\star$ &", r"$^\star$Beyond the paper: Pre-Attention"):
         assert piece in tex, piece
     rows = tex_rows(tex)
-    assert len(rows) == 20 and all(len(r) == 9 for r in rows)  # 5 workloads x 4 methods, 3 labels + 6 budgets
+    assert len(rows) == 25 and all(len(r) == 9 for r in rows)  # 5 workloads x 5 methods, 3 labels + 6 budgets
+    assert [r[2] for r in rows[1:5]] == ["Draft Model", "ProMoE", r"Pre-Attention$^\star$", "SpecPrefetch"]
     gsm8k_fate = rows[0]
     assert gsm8k_fate[2] == "FATE" and gsm8k_fate[3:] == ["47.51", "81.40", "88.38", r"\textbf{48.62}",
                                                            r"\textbf{84.66}", r"\textbf{93.07}"]
@@ -306,8 +309,8 @@ def test_table1_layout_and_numbers(rendered: Path) -> None:
 
 def test_bold_marks_the_best_per_benchmark_and_column(rendered: Path) -> None:
     rows = tex_rows((rendered / "table1_recall.tex").read_text())
-    for start in range(0, len(rows), 4):  # one benchmark = 4 method rows
-        group = rows[start:start + 4]
+    for start in range(0, len(rows), 5):  # one benchmark = 5 method rows (the paper's 4 and Pre-Attention)
+        group = rows[start:start + 5]
         for j in range(3, 9):
             vals = [cell_number(r[j]) for r in group]
             best = max(v for v in vals if v is not None)
@@ -337,7 +340,7 @@ def test_table3_params_format_and_exact_counts(rendered: Path, cfg: dict) -> Non
     assert [fmt_params(v) for v in (820_000, 207_230_000, 28_672, 231_168, 999, None)] == \
         ["0.82M", "207.23M", "28.67K", "231.17K", "999", "–"]
     tex = (rendered / "table3_params.tex").read_text()
-    assert "Model & Single MLP & Draft Model & ProMoE & SpecPrefetch" in tex
+    assert r"Model & Single MLP & Draft Model & ProMoE & Pre-Attention$^\star$ & SpecPrefetch" in tex
     doc = read_table_doc(rendered / "table3_params.json")
     d, n, lm1 = 128, 128, 7  # the Qwen3-VL stand-in: (L-1) r (D + n) with r = 16
     assert doc.by_id()["Qwen3-VL-30B-A3B/SpecPrefetch"].value == lm1 * 16 * (d + n)

@@ -29,12 +29,17 @@ class RouterCapture:
     """
 
     def __init__(self, model: nn.Module, spec: RoutingSpec, *, to_cpu: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, pre_attention: bool = False) -> None:
         self.model = model
         self.spec = spec
         self.to_cpu = to_cpu
         self.dtype = dtype
         self._chunks: list[list[Tensor]] = [[] for _ in spec.gates]
+        # with ``pre_attention``: each MoE layer's pre-attention norm output too (``spec.pre_norms``, forward hooks)
+        if pre_attention and len(spec.pre_norms) != len(spec.gates):
+            raise SpecPrefetchError(f"{spec.arch}: the routing spec names no pre-attention norm per MoE layer; "
+                                    "cannot capture pre-attention inputs")
+        self._pre: list[list[Tensor]] | None = [[] for _ in spec.gates] if pre_attention else None
         self._handles: list[RemovableHandle] = []
 
     # -- hooks
@@ -51,11 +56,21 @@ class RouterCapture:
 
         return hook
 
+    def _make_pre_hook(self, chunks: list[Tensor]) -> Callable[..., None]:
+        hidden = self.spec.hidden_size
+
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            chunks.append(output.detach().reshape(-1, hidden))
+
+        return hook
+
     def __enter__(self) -> RouterCapture:
         if self._handles:
             raise SpecPrefetchError("RouterCapture is already active (not re-entrant)")
         for i, gate in enumerate(self.spec.gates):
             self._handles.append(gate.register_forward_pre_hook(self._make_hook(i), with_kwargs=True))
+        for norm, chunks in zip(self.spec.pre_norms, self._pre or []):
+            self._handles.append(norm.register_forward_hook(self._make_pre_hook(chunks)))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -70,7 +85,7 @@ class RouterCapture:
 
     # -- results
     def clear(self) -> None:
-        for c in self._chunks:
+        for c in [*self._chunks, *(self._pre or [])]:
             c.clear()
 
     @property
@@ -79,10 +94,19 @@ class RouterCapture:
 
     def inputs(self) -> list[Tensor]:
         """Router inputs, one ``[tokens, D]`` tensor per MoE layer in order (tokens of all captured forwards)."""
+        return self._joined(self._chunks, "router input")
+
+    def pre_attention_inputs(self) -> list[Tensor]:
+        """The pre-attention norm's outputs (what each MoE layer's attention read), ``[tokens, D]`` per MoE layer."""
+        if self._pre is None:
+            raise SpecPrefetchError("RouterCapture was made without pre_attention=True")
+        return self._joined(self._pre, "pre-attention input")
+
+    def _joined(self, per_layer: list[list[Tensor]], what: str) -> list[Tensor]:
         out = []
-        for i, chunks in enumerate(self._chunks):
+        for i, chunks in enumerate(per_layer):
             if not chunks:
-                raise SpecPrefetchError(f"no router input captured for MoE layer {self.spec.moe_layers[i]} "
+                raise SpecPrefetchError(f"no {what} captured for MoE layer {self.spec.moe_layers[i]} "
                                         "(run a forward inside the RouterCapture block)")
             x = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=0)
             if self.to_cpu:

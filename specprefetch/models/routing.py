@@ -68,6 +68,9 @@ class RoutingSpec:
     num_hidden_layers: int = 0
     model_type: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # ``pre_norms[i]``: the pre-attention norm (``input_layernorm``) of MoE layer ordinal ``i``'s decoder layer; its
+    # output is what the layer's attention reads (the pre-attention predictor's input, beyond the paper)
+    pre_norms: list[nn.Module] = field(default_factory=list)
 
     @property
     def n_layers(self) -> int:
@@ -210,8 +213,10 @@ def _base_decoder(model: nn.Module, decoder_cls: type, arch: str) -> nn.Module:
                        f"got {type(model).__name__}")
 
 
-def _gates_at(layers: nn.ModuleList, indices: list[int], gate_cls: type | None, arch: str) -> list[nn.Module]:
-    gates = []
+def _moe_modules(layers: nn.ModuleList, indices: list[int], gate_cls: type | None, arch: str) -> dict[str, Any]:
+    """The router (``layers[i].mlp.gate``) and the pre-attention norm (``layers[i].input_layernorm``) of each MoE
+    layer ``i``: the ``gates`` and ``pre_norms`` of its :class:`RoutingSpec`."""
+    gates, norms = [], []
     for i in indices:
         mlp = getattr(layers[i], "mlp", None)
         gate = getattr(mlp, "gate", None)
@@ -219,8 +224,12 @@ def _gates_at(layers: nn.ModuleList, indices: list[int], gate_cls: type | None, 
             want = gate_cls.__name__ if gate_cls is not None else "a router"
             raise RoutingError(f"{arch}: layer {i} should be MoE (per its config) but layers[{i}].mlp.gate is "
                                f"{type(gate).__name__ if gate is not None else 'missing'}, not {want}")
+        norm = getattr(layers[i], "input_layernorm", None)
+        if not isinstance(norm, nn.Module):
+            raise RoutingError(f"{arch}: decoder layer {i} has no `input_layernorm` module (its pre-attention norm)")
         gates.append(gate)
-    return gates
+        norms.append(norm)
+    return {"gates": gates, "pre_norms": norms}
 
 
 def _sparse_step_layers(text_cfg: Any) -> list[int]:
@@ -244,7 +253,7 @@ def _discover_qwen3_vl_moe(model: nn.Module) -> RoutingSpec:
     tc = model.config.text_config
     idx = _sparse_step_layers(tc)
     return RoutingSpec(
-        arch="qwen3_vl_moe", moe_layers=idx, gates=_gates_at(_layers_of(text, "qwen3_vl_moe"), idx,
+        arch="qwen3_vl_moe", moe_layers=idx, **_moe_modules(_layers_of(text, "qwen3_vl_moe"), idx,
                                                              m.Qwen3VLMoeTextTopKRouter, "qwen3_vl_moe"),
         n_experts=tc.num_experts, top_k=tc.num_experts_per_tok, hidden_size=tc.hidden_size, scoring="softmax",
         n_shared_experts=0, norm_topk_prob=True, native_logits_dtype=True, num_hidden_layers=tc.num_hidden_layers,
@@ -259,7 +268,7 @@ def _discover_qwen3_moe(model: nn.Module) -> RoutingSpec:
     idx = _sparse_step_layers(c)
     return RoutingSpec(
         arch="qwen3_moe", moe_layers=idx,
-        gates=_gates_at(_layers_of(dec, "qwen3_moe"), idx, m.Qwen3MoeTopKRouter, "qwen3_moe"),
+        **_moe_modules(_layers_of(dec, "qwen3_moe"), idx, m.Qwen3MoeTopKRouter, "qwen3_moe"),
         n_experts=c.num_experts, top_k=c.num_experts_per_tok, hidden_size=c.hidden_size, scoring="softmax",
         n_shared_experts=0, norm_topk_prob=bool(c.norm_topk_prob), native_logits_dtype=True,
         num_hidden_layers=c.num_hidden_layers,
@@ -274,7 +283,7 @@ def _discover_mixtral(model: nn.Module) -> RoutingSpec:
     idx = list(range(c.num_hidden_layers))  # every Mixtral layer is MoE
     return RoutingSpec(
         arch="mixtral", moe_layers=idx,
-        gates=_gates_at(_layers_of(dec, "mixtral"), idx, m.MixtralTopKRouter, "mixtral"),
+        **_moe_modules(_layers_of(dec, "mixtral"), idx, m.MixtralTopKRouter, "mixtral"),
         n_experts=c.num_local_experts, top_k=c.num_experts_per_tok, hidden_size=c.hidden_size, scoring="softmax",
         n_shared_experts=0, norm_topk_prob=True, native_logits_dtype=True, num_hidden_layers=c.num_hidden_layers,
     )
@@ -287,7 +296,7 @@ def _discover_olmoe(model: nn.Module) -> RoutingSpec:
     c = model.config
     idx = list(range(c.num_hidden_layers))  # every OLMoE layer is MoE
     return RoutingSpec(
-        arch="olmoe", moe_layers=idx, gates=_gates_at(_layers_of(dec, "olmoe"), idx, m.OlmoeTopKRouter, "olmoe"),
+        arch="olmoe", moe_layers=idx, **_moe_modules(_layers_of(dec, "olmoe"), idx, m.OlmoeTopKRouter, "olmoe"),
         n_experts=c.num_experts, top_k=c.num_experts_per_tok, hidden_size=c.hidden_size, scoring="softmax",
         n_shared_experts=0, norm_topk_prob=bool(c.norm_topk_prob), native_logits_dtype=True,
         num_hidden_layers=c.num_hidden_layers,
@@ -303,7 +312,7 @@ def _deepseek_v2_spec(lm: nn.Module, arch: str) -> RoutingSpec:
     idx = [i for i in range(c.num_hidden_layers) if i >= (c.first_k_dense_replace or 0)]
     method = c.topk_method or "greedy"
     return RoutingSpec(
-        arch=arch, moe_layers=idx, gates=_gates_at(_layers_of(dec, arch), idx, m.DeepseekV2TopkRouter, arch),
+        arch=arch, moe_layers=idx, **_moe_modules(_layers_of(dec, arch), idx, m.DeepseekV2TopkRouter, arch),
         n_experts=c.n_routed_experts, top_k=c.num_experts_per_tok, hidden_size=c.hidden_size, scoring="softmax",
         n_shared_experts=int(c.n_shared_experts or 0), topk_method=method,
         n_group=c.n_group if method != "greedy" else None, topk_group=c.topk_group if method != "greedy" else None,
@@ -326,7 +335,7 @@ def _discover_deepseek_v3(model: nn.Module) -> RoutingSpec:
     idx = [i for i in range(c.num_hidden_layers) if i >= (c.first_k_dense_replace or 0)]
     return RoutingSpec(
         arch="deepseek_v3", moe_layers=idx,
-        gates=_gates_at(_layers_of(dec, "deepseek_v3"), idx, m.DeepseekV3TopkRouter, "deepseek_v3"),
+        **_moe_modules(_layers_of(dec, "deepseek_v3"), idx, m.DeepseekV3TopkRouter, "deepseek_v3"),
         n_experts=c.n_routed_experts, top_k=c.num_experts_per_tok, hidden_size=c.hidden_size, scoring="sigmoid",
         n_shared_experts=int(c.n_shared_experts or 0), topk_method="noaux_tc", n_group=c.n_group,
         topk_group=c.topk_group, norm_topk_prob=bool(c.norm_topk_prob),
@@ -347,7 +356,7 @@ def _discover_deepseek_vl2(model: nn.Module) -> RoutingSpec:
     idx = [i for i in range(c.num_hidden_layers) if is_moe_layer(c, i)]
     method = c.topk_method
     return RoutingSpec(
-        arch="deepseek_vl2", moe_layers=idx, gates=_gates_at(_layers_of(model.language.model, "deepseek_vl2"), idx,
+        arch="deepseek_vl2", moe_layers=idx, **_moe_modules(_layers_of(model.language.model, "deepseek_vl2"), idx,
                                                              Router, "deepseek_vl2"),
         n_experts=int(c.n_routed_experts), top_k=int(c.num_experts_per_tok), hidden_size=int(c.hidden_size),
         scoring=str(c.scoring_func), n_shared_experts=int(c.n_shared_experts or 0), topk_method=method,

@@ -20,7 +20,7 @@ on demand, so adding a method never touches this file.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -124,6 +124,20 @@ class PredictorDims:
             )
         except KeyError as exc:
             raise PredictorError(f"trace manifest lacks key {exc.args[0]!r}") from None
+
+
+def next_layer_kl(preds: Sequence[Tensor], logits: Sequence[Tensor], lookahead: int = 1) -> Tensor:
+    """Mean over layer pairs of the token-mean KL(π^{l+d} ‖ π̂^{l+d}); ``logits`` are all L layers' router
+    logits (the target of pair l is layer l+d, d = ``lookahead``: 1 in the paper), ``preds`` the L−d predictions.
+    Computed in float32 (the paper's objective, §3.4)."""
+    if len(preds) != len(logits) - lookahead:
+        raise SpecPrefetchError(f"KL loss: {len(preds)} predictions for {len(logits)} layers at look-ahead "
+                                f"{lookahead} (need L-{lookahead})")
+    terms = []
+    for l, z in enumerate(preds):
+        target = F.log_softmax(logits[l + lookahead].detach().float(), dim=-1)
+        terms.append(F.kl_div(F.log_softmax(z.float(), dim=-1), target, log_target=True, reduction="batchmean"))
+    return torch.stack(terms).mean()
 
 
 _REGISTRY: dict[str, type[Predictor]] = {}
@@ -254,6 +268,9 @@ class Predictor(nn.Module):
     runtime_policy: ClassVar[bool] = False
     # A zero priority means "not a candidate" (Naive Prefetch has only the previous token's K experts).
     empty_when_zero: ClassVar[bool] = False
+    # Where the runtime asks for the priorities of layer l+d: at layer l's router ("router", the paper's point), or
+    # ("pre_attention") before layer l+d's own attention, from that layer's pre-attention input (batch key ``pre``).
+    stage: ClassVar[str] = "router"
 
     def __init__(self, dims: PredictorDims, method_cfg: Mapping[str, Any] | None = None) -> None:
         super().__init__()
@@ -263,6 +280,11 @@ class Predictor(nn.Module):
     # -- prediction
     def forward(self, batch: Batch) -> list[Tensor]:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def loss(self, preds: Sequence[Tensor], batch: Batch) -> Tensor:
+        """The training objective of ``preds = forward(batch)``: the paper's next-layer KL (§3.4); a method with
+        another objective overrides it."""
+        return next_layer_kl(preds, batch["logits"], self.dims.lookahead)
 
     def token_scores(self, batch: Batch) -> list[Tensor]:
         """Per-token priorities [T, n] per pair; the learned default is π̂ = softmax(ẑ) in float32."""

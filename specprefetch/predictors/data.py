@@ -27,9 +27,10 @@ from torch.utils.data import IterableDataset
 
 from specprefetch.io import SpecPrefetchError
 from specprefetch.predictors.base import PredictorError
+from specprefetch.traces.store import PER_LAYER_KEYS as PER_LAYER
+from specprefetch.traces.store import PRE_KEY
 
 log = logging.getLogger(__name__)
-PER_LAYER = ("x", "logits", "topk")
 TOKEN_KEYS = ("token_ids", "sample_index", "position", "is_image", "is_prompt")
 
 
@@ -37,9 +38,11 @@ TOKEN_KEYS = ("token_ids", "sample_index", "position", "is_image", "is_prompt")
 
 
 def shard_to_batch(shard: Mapping[str, Tensor], n_layers: int) -> dict[str, Any]:
-    """A shard's flat tensors (``x.0`` ...) -> the batch layout (``x: [x.0, ...]``)."""
+    """A shard's flat tensors (``x.0`` ...) -> the batch layout (``x: [x.0, ...]``; ``pre`` too where the trace
+    stores the pre-attention inputs)."""
+    keys = (*PER_LAYER, PRE_KEY) if f"{PRE_KEY}.0" in shard else PER_LAYER
     try:
-        batch: dict[str, Any] = {k: [shard[f"{k}.{i}"] for i in range(n_layers)] for k in PER_LAYER}
+        batch: dict[str, Any] = {k: [shard[f"{k}.{i}"] for i in range(n_layers)] for k in keys}
         batch.update({k: shard[k] for k in TOKEN_KEYS})
     except KeyError as exc:
         raise PredictorError(f"trace shard lacks tensor {exc.args[0]!r}") from None
@@ -188,6 +191,7 @@ class OnlineChunks(IterableDataset):
         self.shuffle = shuffle
         self.epoch = 0
         self.mode = traces_cfg["mode"]
+        self.pre_attention = bool(traces_cfg.get("pre_attention", False))
         self.max_new_tokens = int(traces_cfg["max_new_tokens"])
         self.input_dtype = dtype_from_name(traces_cfg["input_dtype"], INPUT_DTYPES,
                                            "traces.input_dtype")
@@ -241,13 +245,13 @@ class OnlineChunks(IterableDataset):
             enc = self._encode(bundle, self.samples[i], self.root).to(bundle.device)
             if self.mode == "generate":
                 enc = with_continuation(bundle, enc, self.max_new_tokens)
-            x, logits, topk = traced_forward(bundle.model, bundle.routing, enc.kwargs, enc.valid,
-                                             self.input_dtype, self.logits_dtype)
+            layers = traced_forward(bundle.model, bundle.routing, enc.kwargs, enc.valid, self.input_dtype,
+                                    self.logits_dtype, pre_attention=self.pre_attention)
         valid = enc.valid.cpu()
         t = int(valid.sum())
         # inference tensors cannot be saved for backward: clone them into normal tensors
         return {
-            "x": [v.clone() for v in x], "logits": [v.clone() for v in logits], "topk": [v.clone() for v in topk],
+            **{k: [v.clone() for v in seq] for k, seq in layers.items()},
             "token_ids": enc.input_ids.cpu()[valid].clone(),
             "sample_index": torch.full((t,), i, dtype=torch.long),
             "position": torch.arange(valid.shape[0], dtype=torch.int32)[valid],

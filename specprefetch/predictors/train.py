@@ -29,35 +29,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
 from specprefetch.contracts import read_doc
 from specprefetch.io import SpecPrefetchError, atomic_path, config_hash, provenance, seed_everything, sha256_file
 from specprefetch.predictors.base import METHODS, Predictor, PredictorDims, build_predictor, predictor_class
+from specprefetch.predictors.base import next_layer_kl as next_layer_kl  # the paper's objective (Predictor.loss)
 from specprefetch.predictors.data import OnlineChunks, TraceChunks, steps_for
 from specprefetch.predictors.sizing import seed_indices, sized_config
 
 log = logging.getLogger(__name__)
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
-
-
-# --------------------------------------------------------------------------------------------- objective
-
-
-def next_layer_kl(preds: Sequence[Tensor], logits: Sequence[Tensor], lookahead: int = 1) -> Tensor:
-    """Mean over layer pairs of the token-mean KL(π^{l+d} ‖ π̂^{l+d}); ``logits`` are all L layers' router
-    logits (the target of pair l is layer l+d, d = ``lookahead``: 1 in the paper), ``preds`` the L−d predictions.
-    Computed in float32."""
-    if len(preds) != len(logits) - lookahead:
-        raise SpecPrefetchError(f"KL loss: {len(preds)} predictions for {len(logits)} layers at look-ahead "
-                                f"{lookahead} (need L-{lookahead})")
-    terms = []
-    for l, z in enumerate(preds):
-        target = F.log_softmax(logits[l + lookahead].detach().float(), dim=-1)
-        terms.append(F.kl_div(F.log_softmax(z.float(), dim=-1), target, log_target=True, reduction="batchmean"))
-    return torch.stack(terms).mean()
 
 
 # --------------------------------------------------------------------------------------------- setup helpers
@@ -250,7 +233,7 @@ def _make_trainer(predictor: Predictor, dataset: Any, collate: Any, tcfg: Mappin
             if lr_log is not None and self.optimizer is not None:
                 lr_log.append(float(self.optimizer.param_groups[0]["lr"]))  # the rate this step's update uses
             preds = model(inputs)
-            loss = next_layer_kl(preds, inputs["logits"], predictor.dims.lookahead)
+            loss = predictor.loss(preds, inputs)
             loss_log.append(float(loss.detach().float()))
             return (loss, preds) if return_outputs else loss
 

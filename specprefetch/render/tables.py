@@ -57,19 +57,37 @@ from specprefetch.render.style import POLICY_LABELS, POLICY_LATEX, storage_label
 log = logging.getLogger(__name__)
 
 TEMPLATES_DIR = REPO_ROOT / "workflow" / "templates"
-# The built-in rows of Tables 1-3, in the paper's order. A configured plugin method (specprefetch.registry) is a row of
-# Table 1 (recall against the baselines) and, if it is trained, of Table 3 (its parameters), just above SpecPrefetch,
-# the paper's method, which stays last; Table 2 is SpecPrefetch's own ablation and takes no plugin.
+# The built-in rows of Tables 1-3, in the paper's order. A configured plugin method (specprefetch.registry) or built-in
+# extension (beyond the paper, marked with a dagger) is a row of Table 1 (recall against the baselines) and, if it is
+# trained, of Table 3 (its parameters), just above SpecPrefetch, the paper's method, which stays last; Table 2 is
+# SpecPrefetch's own ablation and takes neither.
 TABLE1_METHODS = ("fate", "draft_model", "promoe", "specprefetch")
 TABLE2_METHODS = ("single_mlp", "specprefetch")
 TABLE3_METHODS = ("single_mlp", "draft_model", "promoe", "specprefetch")
 
 
+EXTENSION_MARK = r"$^\star$"  # the budget roles already use a dagger
+
+
 def table_methods(builtin: tuple[str, ...], cfg: Mapping[str, Any], learned_only: bool = False) -> tuple[str, ...]:
-    """``builtin`` with the config's plugin methods (trained ones only with ``learned_only``) before its last row."""
+    """``builtin`` with the config's plugin and extension methods (trained ones only with ``learned_only``) before
+    its last row."""
     extra = [m for m in cfg["predictors"]["methods"]
-             if registry.is_plugin(m) and (registry.method(m).learned or not learned_only)]
+             if (registry.is_plugin(m) or registry.method(m).extension)
+             and (registry.method(m).learned or not learned_only)]
     return (*builtin[:-1], *extra, builtin[-1])
+
+
+def row_label(method: str) -> str:
+    """A method's row (or column) label in LaTeX: its label, with a dagger where it goes beyond the paper."""
+    return latex_escape(METHOD_LABELS[method]) + (EXTENSION_MARK if registry.method(method).extension else "")
+
+
+def extension_note(methods: Sequence[str]) -> str:
+    """The LaTeX sentence that explains the dagger ("" when no row carries one)."""
+    ext = [latex_escape(METHOD_LABELS[m]) for m in methods if registry.method(m).extension]
+    return (f"{EXTENSION_MARK}Beyond the paper: {', '.join(ext)} (same protocol; see the README, "
+            "``Beyond the paper'').") if ext else ""
 TABLE5_POLICIES = ("naive", "fate", "specprefetch")
 CATEGORIES = (("LLM", "LLM Workloads"), ("VLM", "VLM Workloads"))
 RECALL_DECIMALS = 2
@@ -259,7 +277,7 @@ def build_table1(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
             for j in range(len(grid[0])):  # bold the best method per (benchmark, model, budget)
                 for i, on in enumerate(best_mask([row[j].value for row in grid], RECALL_DECIMALS)):
                     texts[i][j] = bold(texts[i][j], on)
-            rows = [{"method": latex_escape(METHOD_LABELS[meth]), "cells": row}
+            rows = [{"method": row_label(meth), "cells": row}
                     for meth, row in zip(methods, texts, strict=True)]
             bench_rows.append({"label": latex_escape(cfg["workloads"][w]["display_name"]), "rows": rows})
         groups.append({"label": cat_label.replace(" ", r"\\"), "n_rows": len(workloads) * len(methods),
@@ -275,7 +293,8 @@ def build_table1(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
                "LLM and VLM workloads. The evaluated candidate counts represent limited, native, and expanded "
                "prediction settings for each model. " + latex_escape(profile_sentence(cfg)))
     context = {"caption": caption, "label": "tab:recall", "models": model_ctx, "n_cols": col - 1,
-               "groups": groups, "note": " ".join(x for x in (budget_note(cfg, models), seeds_note(cfg, cells)) if x)}
+               "groups": groups, "note": " ".join(x for x in (budget_note(cfg, models), seeds_note(cfg, cells),
+                                                              extension_note(methods)) if x)}
     _warn_dashes("table1_recall", cells)
     doc = TableDoc("table1_recall", "Table 1: next-layer expert coverage", cfg["profile"], cells,
                    meta={"models": {model_display(cfg, m): m for m in models},
@@ -359,8 +378,10 @@ def build_table3(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
     caption = "Trainable parameters of different expert predictors. " + latex_escape(profile_sentence(cfg))
     if ratios:
         caption += " " + latex_escape(ratio_sentence(ratios))
+    if extension_note(methods):
+        caption += " " + extension_note(methods)
     context = {"caption": caption, "label": "tab:params", "rows": rows,
-               "methods": [latex_escape(METHOD_LABELS[m]) for m in methods]}
+               "methods": [row_label(m) for m in methods]}
     doc = TableDoc("table3_params", "Table 3: trainable parameters", cfg["profile"], cells,
                    meta={"ratios": ratios} if ratios else {})
     return Built("table3_params.tex.j2", context, doc)

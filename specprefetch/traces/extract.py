@@ -159,15 +159,23 @@ class GateOutputs:
 
 def traced_forward(model: torch.nn.Module, spec: Any, kwargs: dict[str, Tensor], valid: Tensor | None,
                    input_dtype: torch.dtype, logits_dtype: torch.dtype, *, check: bool = False,
-                   ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-    """One forward under ``RouterCapture`` plus :func:`route_captured` (what extraction adds per forward)."""
+                   pre_attention: bool = False) -> dict[str, list[Tensor]]:
+    """One forward under ``RouterCapture`` plus :func:`route_captured` (what extraction adds per forward): the
+    per-layer tensors of the trace contract, ``x``, ``logits``, ``topk`` and, with ``pre_attention``, ``pre`` (each
+    MoE layer's pre-attention norm output, valid rows, in ``input_dtype``)."""
     from specprefetch.models.capture import RouterCapture
 
-    with RouterCapture(model, spec) as cap, GateOutputs(spec) as gates:
+    with RouterCapture(model, spec, pre_attention=pre_attention) as cap, GateOutputs(spec) as gates:
         model(**kwargs, use_cache=False)
         xs = cap.inputs()
+        pres = cap.pre_attention_inputs() if pre_attention else None
         executed = gates.indices()
-    return route_captured(spec, xs, valid, input_dtype, logits_dtype, executed=executed, check=check)
+    x, logits, topk = route_captured(spec, xs, valid, input_dtype, logits_dtype, executed=executed, check=check)
+    out = {"x": x, "logits": logits, "topk": topk}
+    if pres is not None:
+        keep = None if valid is None or bool(valid.all()) else valid.reshape(-1).to(pres[0].device)
+        out["pre"] = [(p if keep is None else p[keep]).to(input_dtype).cpu() for p in pres]
+    return out
 
 
 # ------------------------------------------------------------------------------------------ generate mode
@@ -302,10 +310,10 @@ def _trace_samples(bundle: Any, samples: list[Any], workload_dir: Path, writer: 
         if tcfg["mode"] == "generate":
             enc = with_continuation(bundle, enc, int(tcfg["max_new_tokens"]))
         # the first sample also recomputes the top-K with RoutingSpec and checks it equals the gates' own
-        x, logits, topk = traced_forward(bundle.model, spec, enc.kwargs, enc.valid, input_dtype, logits_dtype,
-                                         check=writer.n_samples == 0)
+        layers = traced_forward(bundle.model, spec, enc.kwargs, enc.valid, input_dtype, logits_dtype,
+                                check=writer.n_samples == 0, pre_attention=writer.pre_attention)
         valid = enc.valid.cpu()
-        writer.add_sample(x, logits, topk, token_ids=enc.input_ids.cpu()[valid],
+        writer.add_sample(**layers, token_ids=enc.input_ids.cpu()[valid],
                           position=torch.arange(valid.shape[0])[valid], is_image=enc.is_image.cpu()[valid],
                           is_prompt=enc.is_prompt.cpu()[valid])
         bar.set_postfix(tokens=writer.n_tokens, shards=writer.n_shards, refresh=False)
@@ -348,7 +356,7 @@ def extract_traces(cfg: dict[str, Any], model_name: str, model_dir: Path | None,
              workload_dir.name, len(samples), index, count, out_dir)
     start = time.perf_counter()
     with TraceWriter(out_dir, meta, int(tcfg["shard_tokens"]), input_dtype, logits_dtype,
-                     sample_offset=lo) as writer, \
+                     sample_offset=lo, pre_attention=bool(tcfg.get("pre_attention", False))) as writer, \
             torch.inference_mode():
         writer.set_routers(bundle.routing.router_tensors())
         n_truncated = _trace_samples(bundle, samples, workload_dir, writer, tcfg,

@@ -50,11 +50,13 @@ class TraceSet:
 
 
 def bytes_per_token(cfg: Mapping[str, Any], model: str) -> int:
-    """Trace bytes per token of ``model``: per MoE layer x (bf16/fp16/fp32) + logits + int32 top-K, plus metadata."""
+    """Trace bytes per token of ``model``: per MoE layer x (bf16/fp16/fp32; twice with ``traces.pre_attention``, the
+    pre-attention input beside the router input) + logits + int32 top-K, plus metadata."""
     m, t = cfg["models"][model], cfg["traces"]
     x = dtype_from_name(t["input_dtype"], INPUT_DTYPES, "traces.input_dtype").itemsize
     logits = dtype_from_name(t["logits_dtype"], LOGITS_DTYPES, "traces.logits_dtype").itemsize
-    per_layer = m["hidden_size"] * x + m["n_experts"] * logits + m["top_k"] * TOPK_DTYPE.itemsize
+    inputs = 2 if t.get("pre_attention") else 1
+    per_layer = inputs * m["hidden_size"] * x + m["n_experts"] * logits + m["top_k"] * TOPK_DTYPE.itemsize
     return n_moe_layers(m) * per_layer + TOKEN_META_BYTES
 
 

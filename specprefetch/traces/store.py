@@ -5,7 +5,9 @@ logits / executed top-K of every MoE layer, plus per-token metadata. It is the o
 predictors and FATE need, so a model never has to be loaded twice. Layout (the shared contract):
 
 - ``shard-00000.safetensors`` ...: ``x.{i}`` [T, D], ``logits.{i}`` [T, n], ``topk.{i}`` [T, K] int32,
-  ``token_ids`` int64, ``sample_index`` int64, ``position`` int32, ``is_image`` uint8, ``is_prompt`` uint8.
+  ``token_ids`` int64, ``sample_index`` int64, ``position`` int32, ``is_image`` uint8, ``is_prompt`` uint8;
+  optionally (``traces.pre_attention``; the manifest's ``dtypes`` then name ``pre``) ``pre.{i}`` [T, D]: MoE layer
+  i's pre-attention norm output, what its attention read (the pre-attention predictor's input, beyond the paper).
   Samples are never split across shards; a sample's tokens are contiguous and in sequence order.
 - ``routers.safetensors``: ``gate.{i}.weight`` [n, D] float32 (+ ``gate.{i}.bias`` /
   ``gate.{i}.e_score_correction_bias`` where the arch has them).
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 ROUTERS = "routers.safetensors"
 PER_LAYER_KEYS = ("x", "logits", "topk")
+PRE_KEY = "pre"  # the optional per-layer pre-attention input
 # Per-token tensors and their stored dtypes (fixed by the contract).
 TOKEN_KEYS: dict[str, torch.dtype] = {
     "token_ids": torch.int64,
@@ -103,6 +106,7 @@ class TraceWriter:
         input_dtype: str | torch.dtype = "bfloat16",
         logits_dtype: str | torch.dtype = "float32",
         sample_offset: int = 0,
+        pre_attention: bool = False,
     ) -> None:
         missing = [k for k in REQUIRED_META if k not in meta]
         if missing:
@@ -119,6 +123,8 @@ class TraceWriter:
                             else dtype_from_name(input_dtype, INPUT_DTYPES, "traces.input_dtype"))
         self.logits_dtype = (logits_dtype if isinstance(logits_dtype, torch.dtype)
                              else dtype_from_name(logits_dtype, LOGITS_DTYPES, "traces.logits_dtype"))
+        self.pre_attention = bool(pre_attention)
+        self.layer_keys = (*PER_LAYER_KEYS, PRE_KEY) if self.pre_attention else PER_LAYER_KEYS
         self.n_layers = len(self.meta["moe_layers"])
         self.n_experts = int(self.meta["n_experts"])
         self.top_k = int(self.meta["top_k"])
@@ -176,27 +182,34 @@ class TraceWriter:
         position: torch.Tensor,
         is_image: torch.Tensor,
         is_prompt: torch.Tensor,
+        pre: Sequence[torch.Tensor] | None = None,
     ) -> int:
         """Buffer one sample's valid tokens (already filtered, in sequence order); return its sample index.
 
         Tensors are cast to the storage dtypes and moved to CPU here, so the caller's (device) tensors
-        can be freed right away. A sample with no valid tokens still consumes a sample index.
+        can be freed right away. A sample with no valid tokens still consumes a sample index. ``pre`` (the
+        pre-attention inputs) is required by a writer made with ``pre_attention`` and refused by any other.
         """
         if self._tmp is None:
             raise SpecPrefetchError("TraceWriter.add_sample called outside its `with` block")
         index = self.sample_offset + self.n_samples
         t = int(token_ids.shape[0])
-        self._check_sample(index, x, logits, topk, token_ids, position, is_image, is_prompt)
+        if (pre is not None) != self.pre_attention:
+            raise SpecPrefetchError(f"trace {self.out_dir}, sample {index}: pre-attention inputs "
+                                    f"{'missing' if pre is None else 'given'}, but the trace "
+                                    f"{'stores' if self.pre_attention else 'does not store'} them")
+        per_layer = {"x": x, "logits": logits, "topk": topk, **({PRE_KEY: pre} if pre is not None else {})}
+        self._check_sample(index, per_layer, token_ids, position, is_image, is_prompt)
         self.n_samples += 1
         if t == 0:
             return index
         if self.buffered_tokens and self.buffered_tokens + t > self.shard_tokens:
             self._flush()
         entry: dict[str, torch.Tensor] = {}
+        dtypes = {"x": self.input_dtype, "logits": self.logits_dtype, "topk": TOPK_DTYPE, PRE_KEY: self.input_dtype}
         for i in range(self.n_layers):
-            entry[f"x.{i}"] = x[i].detach().to("cpu", self.input_dtype)
-            entry[f"logits.{i}"] = logits[i].detach().to("cpu", self.logits_dtype)
-            entry[f"topk.{i}"] = topk[i].detach().to("cpu", TOPK_DTYPE)
+            for key, seq in per_layer.items():
+                entry[f"{key}.{i}"] = seq[i].detach().to("cpu", dtypes[key])
         entry["token_ids"] = token_ids.detach().to("cpu", torch.int64)
         entry["sample_index"] = torch.full((t,), index, dtype=torch.int64)
         entry["position"] = position.detach().to("cpu", torch.int32)
@@ -212,19 +225,20 @@ class TraceWriter:
             self._flush()
         return index
 
-    def _check_sample(self, index: int, x: Sequence[torch.Tensor], logits: Sequence[torch.Tensor],
-                      topk: Sequence[torch.Tensor], *per_token: torch.Tensor) -> None:
+    def _check_sample(self, index: int, per_layer: Mapping[str, Sequence[torch.Tensor]],
+                      *per_token: torch.Tensor) -> None:
         """Reject a sample whose shapes disagree with the meta, naming the tensor: a silent mismatch would
         corrupt every predictor trained on the trace."""
         where = f"trace {self.out_dir}, sample {index}"
-        for name, seq in (("x", x), ("logits", logits), ("topk", topk)):
+        for name, seq in per_layer.items():
             if len(seq) != self.n_layers:
                 raise SpecPrefetchError(f"{where}: {name} has {len(seq)} layers, expected {self.n_layers}")
         if per_token[0].dim() != 1:
             raise SpecPrefetchError(f"{where}: token_ids has shape {tuple(per_token[0].shape)}, expected [T]")
         t = int(per_token[0].shape[0])
-        expect = {"x": (t, self.hidden_size), "logits": (t, self.n_experts), "topk": (t, self.top_k)}
-        for name, seq in (("x", x), ("logits", logits), ("topk", topk)):
+        expect = {"x": (t, self.hidden_size), "logits": (t, self.n_experts), "topk": (t, self.top_k),
+                  PRE_KEY: (t, self.hidden_size)}
+        for name, seq in per_layer.items():
             for i, v in enumerate(seq):
                 if tuple(v.shape) != expect[name]:
                     raise SpecPrefetchError(
@@ -277,7 +291,8 @@ class TraceWriter:
             "n_prompt_tokens": self.n_prompt_tokens,
             "shard_tokens": self.shard_tokens,
             "dtypes": {"x": dtype_name(self.input_dtype), "logits": dtype_name(self.logits_dtype),
-                       "topk": dtype_name(TOPK_DTYPE), **{k: dtype_name(d) for k, d in TOKEN_KEYS.items()}},
+                       "topk": dtype_name(TOPK_DTYPE), **{k: dtype_name(d) for k, d in TOKEN_KEYS.items()},
+                       **({PRE_KEY: dtype_name(self.input_dtype)} if self.pre_attention else {})},
             "shards": self._shards,
             "routers": {"file": ROUTERS, "bytes": routers_path.stat().st_size, "sha256": sha256_file(routers_path),
                         "keys": sorted(self.routers)},
@@ -306,6 +321,13 @@ class TraceReader:
         self._check_manifest(path)
         self._dtypes = {k: dtype_from_name(v, (*INPUT_DTYPES, "int32", "int64", "uint8"), f"{path} dtypes.{k}")
                         for k, v in self.manifest["dtypes"].items()}
+        # the per-layer tensors of every shard (and batch): the pre-attention inputs where the trace stores them
+        self.layer_keys = (*PER_LAYER_KEYS, PRE_KEY) if PRE_KEY in self._dtypes else PER_LAYER_KEYS
+
+    @property
+    def has_pre_attention(self) -> bool:
+        """The trace stores each MoE layer's pre-attention input (``pre.{i}``)."""
+        return PRE_KEY in self.layer_keys
 
     def _check_manifest(self, path: Path) -> None:
         m = self.manifest
@@ -421,6 +443,8 @@ class TraceReader:
             expect[f"x.{i}"] = ((n, self.hidden_size), self._dtypes["x"])
             expect[f"logits.{i}"] = ((n, self.n_experts), self._dtypes["logits"])
             expect[f"topk.{i}"] = ((n, self.top_k), self._dtypes["topk"])
+            if self.has_pre_attention:
+                expect[f"{PRE_KEY}.{i}"] = ((n, self.hidden_size), self._dtypes[PRE_KEY])
         for k in TOKEN_KEYS:
             expect[k] = ((n,), self._dtypes[k])
         missing = sorted(set(expect) - set(t))
@@ -436,7 +460,8 @@ class TraceReader:
                 bad = int(tk.min()) if int(tk.min()) < 0 else int(tk.max())
                 raise TraceError(f"{path}: topk.{i} holds expert id {bad}, outside [0, {self.n_experts})")
         with reraise_as(TraceError):
-            check_finite_tensors({k: t[k] for k in expect if k.startswith(("x.", "logits."))}, str(path))
+            check_finite_tensors({k: t[k] for k in expect if k.startswith(("x.", "logits.", f"{PRE_KEY}."))},
+                                 str(path))
 
     def read_shard(self, j: int) -> dict[str, torch.Tensor]:
         """Shard ``j``'s tensors (keys as in the file), after checking size, sha256, shapes and dtypes."""
@@ -536,7 +561,7 @@ class TraceReader:
         return self.n_tokens // batch_tokens if drop_last else math.ceil(self.n_tokens / batch_tokens)
 
     def _to_batch(self, flat: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        batch: dict[str, Any] = {key: [flat[f"{key}.{i}"] for i in range(self.n_layers)] for key in PER_LAYER_KEYS}
+        batch: dict[str, Any] = {key: [flat[f"{key}.{i}"] for i in range(self.n_layers)] for key in self.layer_keys}
         batch.update({k: flat[k] for k in TOKEN_KEYS})
         return batch
 
@@ -633,15 +658,14 @@ def _replay_shards(readers: list[TraceReader], mans: list[dict[str, Any]], gathe
     meta["provenance"] = {**first.get("provenance", {}), "gathered_from": gathered_from}
     n_layers = int(first["n_moe_layers"])
     with TraceWriter(out_dir, meta, int(first["shard_tokens"]), first["dtypes"]["x"], first["dtypes"]["logits"],
-                     sample_offset=int(first.get("sample_offset", 0))) as writer:
+                     sample_offset=int(first.get("sample_offset", 0)),
+                     pre_attention=readers[0].has_pre_attention) as writer:
         writer.set_routers(readers[0].routers())
         for r in readers:
             for index, t in _samples_of(r):
                 while writer.sample_offset + writer.n_samples < index:  # samples without valid tokens
                     _add_empty(writer)
-                writer.add_sample([t[f"x.{i}"] for i in range(n_layers)],
-                                  [t[f"logits.{i}"] for i in range(n_layers)],
-                                  [t[f"topk.{i}"] for i in range(n_layers)],
+                writer.add_sample(**{k: [t[f"{k}.{i}"] for i in range(n_layers)] for k in writer.layer_keys},
                                   token_ids=t["token_ids"], position=t["position"], is_image=t["is_image"],
                                   is_prompt=t["is_prompt"])
         while writer.n_samples < sum(int(m["n_samples"]) for m in mans):  # trailing samples without tokens
@@ -676,7 +700,8 @@ def _add_empty(writer: TraceWriter) -> None:
     writer.add_sample([torch.empty(0, writer.hidden_size)] * writer.n_layers,
                       [torch.empty(0, writer.n_experts)] * writer.n_layers,
                       [torch.empty(0, writer.top_k, dtype=torch.int64)] * writer.n_layers,
-                      token_ids=e, position=e, is_image=e, is_prompt=e)
+                      token_ids=e, position=e, is_image=e, is_prompt=e,
+                      pre=[torch.empty(0, writer.hidden_size)] * writer.n_layers if writer.pre_attention else None)
 
 
 # --------------------------------------------------------------------------------------------- stats
@@ -701,7 +726,8 @@ def trace_stats(trace_dir: str | Path) -> dict[str, Any]:
             n_prompt += int(shard["is_prompt"].sum())
     shard_bytes = sum(int(s["bytes"]) for s in m["shards"])
     item = {k: torch.empty((), dtype=d).element_size() for k, d in reader._dtypes.items()}
-    per_layer = (reader.hidden_size * item["x"] + reader.n_experts * item["logits"] + reader.top_k * item["topk"])
+    per_layer = (reader.hidden_size * item["x"] + reader.n_experts * item["logits"] + reader.top_k * item["topk"]
+                 + (reader.hidden_size * item[PRE_KEY] if reader.has_pre_attention else 0))
     per_token_meta = sum(item[k] for k in TOKEN_KEYS)
     return {
         "dir": str(reader.dir),
