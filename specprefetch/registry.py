@@ -113,7 +113,7 @@ BUILTIN_METHODS: tuple[Method, ...] = (
     Method("oracle", "Oracle", "#000000", learned=False, target="specprefetch.predictors.oracle", sees_future=True),
     # beyond the paper: layer l's experts from layer l's own pre-attention input (arXiv 2511.10676)
     Method("pre_attention", "Pre-Attention", "#7B3294", learned=True, target="specprefetch.predictors.pre_attention",
-           extension=True),
+           runtime_policy=True, extension=True),
 )
 
 BUILTIN_POLICIES: tuple[Policy, ...] = (
@@ -124,9 +124,11 @@ BUILTIN_POLICIES: tuple[Policy, ...] = (
     Policy("naive", predicts=True, issues=True, method="previous_token"),  # the previous token's experts: built in
     Policy("fate", predicts=True, issues=True, provider="fate", method="fate"),
     Policy("resident", predicts=False, issues=False, preload=True, label="All resident", color="#3B3B3B"),
+    # beyond the paper: prefetches for layer l issued before layer l's attention, from its pre-attention input
+    Policy("pre_attention", predicts=True, issues=True, provider="pre_attention", method="pre_attention"),
 )
 # Figures and tables list policies in this order (plugin policies go before the all-resident bound).
-POLICY_DISPLAY_ORDER = ("off", "pred0", "naive", "fate", "specprefetch", "resident")
+POLICY_DISPLAY_ORDER = ("off", "pred0", "naive", "fate", "specprefetch", "pre_attention", "resident")
 
 BUILTIN_STORAGES: tuple[Storage, ...] = (
     Storage("nvme_cold", "NVMe (cold)", 2, kind="physical"),

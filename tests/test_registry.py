@@ -254,11 +254,11 @@ def test_a_plugin_runtime_policy_prefetches(plugin: Path, tmp_path: Path) -> Non
 
     pol = POLICY[PLUGIN]
     assert (pol.predicts, pol.issues, pol.provider) == (True, True, PLUGIN)
-    assert registry.runtime_providers() == ("specprefetch", "fate", PLUGIN)
+    assert registry.runtime_providers() == ("specprefetch", "fate", "pre_attention", PLUGIN)
     cfg = copy.deepcopy(load_config(REPO / "config" / "config.yaml"))
     cfg["predictors"]["methods"] = [*cfg["predictors"]["methods"], PLUGIN]
     cfg["device"]["main_policies"] = ["off", "specprefetch", PLUGIN]
-    assert Pipeline(cfg, tmp_path).device_predictors == ["specprefetch", "fate", PLUGIN]
+    assert Pipeline(cfg, tmp_path).device_predictors == ["specprefetch", "fate", "pre_attention", PLUGIN]
 
     torch.manual_seed(0)
     pred = build_predictor(PLUGIN, None, DIMS).eval()

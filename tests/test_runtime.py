@@ -77,14 +77,15 @@ def tiny_deepseek_vl2() -> Any:
     return model
 
 
-def random_adapter(spec: Any, seed: int = 0, lookahead: int = 1) -> Any:
-    """A SpecPrefetch adapter with random (non-zero) weights: some ranking, not a trained one."""
+def random_adapter(spec: Any, seed: int = 0, lookahead: int = 1, method: str = "specprefetch") -> Any:
+    """A SpecPrefetch adapter (or the pre-attention router, its low-rank form) with random (non-zero) weights: some
+    ranking, not a trained one."""
     from specprefetch.predictors.base import PredictorDims, build_predictor
 
     torch.manual_seed(seed)
     dims = PredictorDims(n_layers=spec.n_layers, hidden_size=spec.hidden_size, n_experts=spec.n_experts,
                          top_k=spec.top_k, scoring=spec.scoring, arch=spec.arch, lookahead=lookahead)
-    pred = build_predictor("specprefetch", {"specprefetch": {"rank": 4}}, dims)
+    pred = build_predictor(method, {method: {"rank": 4}}, dims)
     with torch.no_grad():
         pred.B.normal_()
     return pred
@@ -97,6 +98,8 @@ def provider_for(policy: str, spec: Any, lookahead: int = 1) -> Any:
         return PredictorPriority(fate_from_model(spec, lookahead))
     if policy in ("specprefetch", "pred0"):
         return PredictorPriority(random_adapter(spec))
+    if policy == "pre_attention":
+        return PredictorPriority(random_adapter(spec, method="pre_attention"))
     return None
 
 
@@ -312,7 +315,7 @@ def test_cache_bookkeeping() -> None:
 
 
 # ------------------------------------------------------------------------------------------ simulator
-@pytest.mark.parametrize("policy", ["off", "specprefetch", "naive", "fate", "pred0"])
+@pytest.mark.parametrize("policy", ["off", "specprefetch", "naive", "fate", "pred0", "pre_attention"])
 def test_simulator_matches_runtime_counters(setup: dict[str, Any], policy: str) -> None:
     """Deterministic case (one I/O worker, every transfer completes before the next layer): same counters."""
     from specprefetch.runtime.core.storage import StorageProfile
@@ -1499,3 +1502,48 @@ def test_lookahead_plan_holds_each_distance_and_its_same_budget_control() -> Non
                    ("slow_ufs", "specprefetch", 2, 1), ("slow_ufs", "specprefetch", 3, 2),
                    ("slow_ufs", "specprefetch", 1, 2)}
     assert len(plan["lookahead"]) == len(got)
+
+
+def test_pre_attention_prefetches_before_the_layers_attention(setup: dict[str, Any]) -> None:
+    """Beyond the paper: the pre-attention policy predicts layer l+1 from its pre-attention norm's output after layer
+    l is done and before layer l+1's router (its window: the attention), prefetches into layer l+1 only, leaves the
+    tokens the plain model's, and its window excludes layer l's stall; its priorities are the predictor's on that
+    norm output; the simulator replaying the run makes the same decisions."""
+    from specprefetch.models.capture import RouterCapture
+    from specprefetch.runtime.core.timeline import window_ms
+
+    spec, n_layers = setup["spec"], setup["spec"].n_layers
+    out, rt = run_policy(setup, "pre_attention", m_max=3, capacity=2 * spec.top_k + 3, sync=True, io_workers=1,
+                         record=True)
+    assert torch.equal(out, setup["ref"])
+    dec = [ev for ev in rt.events if ev.n_tokens == 1]
+    by = {(ev.step, ev.layer): ev for ev in dec}
+    early = [ev for ev in dec if ev.layer + 1 < n_layers]
+    assert early and all(ev.early and ev.t_pred is not None and ev.m_max == 3 for ev in early)
+    for ev in early:  # after layer l is done, before layer l+1's demand is known
+        nxt = by[(ev.step, ev.layer + 1)]
+        assert ev.t_done <= ev.t_pred <= nxt.t_exec
+        assert window_ms(ev, nxt) == pytest.approx((nxt.t_exec - ev.t_pred) * 1e3)
+    assert all(ev.t_pred is None for ev in dec if ev.layer + 1 == n_layers)
+    assert sum(ev.prefetch_used + ev.prefetch_wasted + ev.prefetch_cancelled for ev in dec) > 0
+    # the priorities of the last step's layer 1 are the predictor's on layer 1's pre-attention input
+    pred = rt.provider.pred
+    with RouterCapture(setup["model"], spec, pre_attention=True) as cap:
+        setup["model"](out[:, :-1])
+        pre = cap.pre_attention_inputs()
+    last = max(ev.step for ev in dec)
+    with torch.no_grad():
+        want = (pre[1][-1:].float() @ pred.A[0].T.float()) @ pred.B[0].T.float()
+    torch.testing.assert_close(torch.as_tensor(by[(last, 0)].scores).float(), want[0], rtol=1e-4, atol=1e-4)
+    # the simulator replays it: same counters
+    from specprefetch.runtime.core.storage import StorageProfile
+    from specprefetch.runtime.simulation.simulator import ComputeProfile, sequences_from_record, simulate
+
+    zero = [0.0] * n_layers
+    sim = simulate(sequences_from_record(routing_rows(rt.events), n_layers), "pre_attention", 3,
+                   2 * spec.top_k + 3, spec.n_experts, spec.top_k, ComputeProfile(zero, zero, zero, [1e-3] * n_layers,
+                                                                                  zero, 1e-3),
+                   StorageProfile("ram", "ram"), io_workers=1, compute_opt=True, sync=True, fixed_transfer_s=0.0)
+    assert all(ev.early for ev in sim.events if ev.n_tokens == 1 and ev.layer + 1 < n_layers)
+    for name in ("hits", "misses", "prefetched", "wasted", "cancelled"):
+        assert getattr(rt.stats(), name) == getattr(sim.stats, name), name

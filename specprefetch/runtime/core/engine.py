@@ -26,6 +26,11 @@ At MoE layer ``l`` (one call of ``OffloadedExperts.forward``), the per-layer loo
 ``compute_opt`` (Figure 6's "compute optimization"): for a decoding step (one token) the layer's experts are
 gathered from the cache slots with one ``index_select`` per weight matrix and computed with two batched matmuls,
 instead of transformers' Python loop issuing ~10 kernels per expert. Prefill (many tokens) always uses the loop.
+
+A pre-attention provider (``stage`` "pre_attention", beyond the paper) is not asked in step 3: a forward hook on
+each MoE layer's pre-attention norm (``RoutingSpec.pre_norms``) hands it that layer's normalised input in a decoding
+step, before the attention runs, and its prefetches for that layer go out then (:meth:`LayerLoop.pre_attention`):
+the window is the layer's attention. The hooks only read the norm's output, so the model's outputs are unchanged.
 """
 
 from __future__ import annotations
@@ -207,6 +212,7 @@ class OffloadedRuntime:
                               topm_absent=tuple(options.topm_absent), load_error=self._load_error,
                               online=online_budget(options.policy, options.ewma))
         self.originals: list[nn.Module | None] = []
+        self._pre_hooks: list[Any] = []  # a pre-attention provider's hooks on the pre-attention norms
         self.installed = False
         self.step = -1
         self._routing: dict[int, tuple[Tensor, Tensor]] = {}  # the latest step's routing per layer (adopt)
@@ -224,6 +230,12 @@ class OffloadedRuntime:
                 b.block.experts = OffloadedExperts(None, b.ordinal, b.experts.act_fn, self.n_experts)
                 b.experts = b.block.experts
             b.experts.bind(self)
+        if self.loop.early:
+            if len(self.spec.pre_norms) != self.n_layers:
+                raise OffloadError(f"policy {self.opt.policy!r} predicts from the pre-attention input, but the "
+                                   f"{self.spec.arch} routing spec names no pre-attention norm per MoE layer")
+            self._pre_hooks = [norm.register_forward_hook(self._pre_attention_hook(l))
+                               for l, norm in enumerate(self.spec.pre_norms) if l >= 1]
         self.installed = True
         return self
 
@@ -234,6 +246,9 @@ class OffloadedRuntime:
 
     def uninstall(self) -> None:
         """Unbind; experts modules this runtime replaced get their originals back (the plain model again)."""
+        for h in self._pre_hooks:
+            h.remove()
+        self._pre_hooks = []
         for b, orig in zip(self.blocks, self.originals):
             b.experts.bind(None)
             if orig is not None:
@@ -332,9 +347,39 @@ class OffloadedRuntime:
         self.loop.run(self.step, l, idx.tolist(), work, t_exec, idx.clone() if self.opt.record_routing else None)
         return work.out
 
+    def _pre_attention_hook(self, layer: int) -> Callable[..., None]:
+        """The forward hook on MoE layer ``layer``'s pre-attention norm: in a decoding step (one token), the provider's
+        prediction for ``layer`` from the norm's output, before the attention runs."""
+
+        def hook(module: nn.Module, args: Any, output: Tensor) -> None:
+            if self._runtime_of_hook_is_bound() and output.shape[:-1].numel() == 1:
+                self.loop.pre_attention(self.step, layer, _PreAttentionScores(output.detach().reshape(1, -1)))
+
+        return hook
+
+    def _runtime_of_hook_is_bound(self) -> bool:
+        """This runtime serves the model now (a harness may bind another one to the same modules)."""
+        return self.installed and bool(self.blocks) and getattr(self.blocks[0].experts, "_runtime", None) is self
+
     def _load_error(self, key: Key) -> StorageError:
         return StorageError(f"expert {key[1]} of MoE layer {key[0]} could not be read from "
                             f"{self.store.files[key[0]]} (I/O errors on every attempt)")
+
+
+class _PreAttentionScores:
+    """The runtime's work of a pre-attention prediction (a :class:`~specprefetch.runtime.core.layer.LayerWork` for
+    :meth:`LayerLoop.pre_attention`): the provider's priorities from the layer's pre-attention input."""
+
+    __slots__ = ("x",)
+
+    def __init__(self, x: Tensor) -> None:
+        self.x = x
+
+    def scores(self, provider: PriorityProvider, layer: int) -> Any:
+        return provider.scores(layer, self.x)
+
+    def issued(self, ev: LayerEvent) -> None:
+        pass
 
 
 class _LayerCompute:
@@ -391,6 +436,9 @@ class _LayerCompute:
         h = act_fn(gate) * up
         y = torch.bmm(dn, h.unsqueeze(-1)).squeeze(-1)     # [E, H]
         self.out = (y * w[:, None]).sum(dim=0, keepdim=True).to(hidden.dtype)
+
+    def issued(self, ev: LayerEvent) -> None:
+        pass
 
     def finish(self, provider: PriorityProvider | None) -> None:
         l = self.mod.ordinal

@@ -16,6 +16,11 @@ One MoE layer (:meth:`LayerLoop.run`):
    in a decoding step, all K experts are waited for and then computed at once (the batched fast path).
 5. The layer's experts become the most recently used; the provider observes the layer's routing (``t_done``).
 
+A provider of stage ``pre_attention`` (beyond the paper) predicts at another point: not in step 3, but before the
+next layer's attention (:meth:`LayerLoop.pre_attention`, called by whoever runs the layers once layer ``l`` is done),
+from that layer's pre-attention input. Its prediction, selection and prefetches are recorded in layer ``l``'s event
+like a router-stage one's (``early`` marks them), so the window it gives layer ``l+1`` is that layer's attention.
+
 The loop runs over an :class:`~specprefetch.runtime.core.iobackend.IOBackend`:
 :class:`~specprefetch.runtime.core.transfer.TransferEngine` (I/O threads, wall clock) or the simulator's ``_SimIO``
 (discrete-event clock), and a :class:`LayerWork`: what "compute" is (the runtime's matmuls, or the simulator
@@ -136,6 +141,10 @@ class LayerWork(Protocol):
         """The layer is done: the provider observes its routing."""
         ...
 
+    def issued(self, ev: LayerEvent) -> None:
+        """A pre-attention prediction recorded in ``ev`` is selected and issued (its control path is over)."""
+        ...
+
 
 def _load_error(key: Key) -> Exception:
     return CacheError(f"expert {key[1]} of MoE layer {key[0]} could not be loaded (every attempt failed)")
@@ -159,7 +168,7 @@ class LayerLoop:
     n_experts: int
     budget_of: Callable[[int], int] = _no_budget  # M_max of the prefetches into a layer (asked when predicting)
     compute_opt: bool = True            # the batched fast path for decoding steps
-    sync: bool = False                  # wait for every transfer at the end of each layer
+    sync: bool = False                  # wait for every transfer at the end of each layer (and prediction)
     retries: int = 0                    # reloads of an expert whose transfer failed, beyond the backend's own
     record: bool = False                # keep each event's priorities (simulator input)
     topm_absent: tuple[int, ...] = ()   # record |Top_M(s) minus available| at t_pred for these M (Figure 1b)
@@ -189,7 +198,8 @@ class LayerLoop:
         self.events.append(ev)
         protect = set(keys)
         j = acquire(cache, io, keys, 0, protect, step)
-        predicted = decoding and self.provider is not None and layer + self.provider.lookahead < self.n_layers
+        predicted = (decoding and self.provider is not None and not self.early
+                     and layer + self.provider.lookahead < self.n_layers)
         if predicted:
             self.predict(ev, step, layer, work, protect)
         batched = self.compute_opt and decoding and len(keys) == len(rows[0])
@@ -207,6 +217,25 @@ class LayerLoop:
         ev.t_done = io.now()
         io.poll()
         return ev
+
+    @property
+    def early(self) -> bool:
+        """The provider predicts before the next layer's attention, not at this layer's router."""
+        return self.provider is not None and getattr(self.provider, "stage", "router") == "pre_attention"
+
+    def pre_attention(self, step: int, layer: int, work: LayerWork) -> None:
+        """Before layer ``layer``'s attention in a decoding step: a pre-attention provider's priorities for ``layer``
+        from its pre-attention input (``work.scores``), selected at that layer's budget and prefetched, all recorded
+        in the event of layer ``layer - 1`` (done by now; nothing is pinned), the prediction it stands for."""
+        prev = self.events[-1] if self.events else None
+        if (not self.early or prev is None or prev.step != step or prev.layer != layer - 1 or prev.n_tokens != 1
+                or layer >= self.n_layers):
+            return
+        prev.early = True
+        self.predict(prev, step, layer - 1, work, set())
+        work.issued(prev)
+        if self.sync:  # deterministic runs: these transfers end before the layer goes on, as a layer's own do
+            self.io.drain()
 
     def predict(self, ev: LayerEvent, step: int, layer: int, work: LayerWork, protect: set[Key]) -> None:
         """``t_pred``: the provider's priorities for ``layer + d`` (``d``: the provider's look-ahead), the selection at

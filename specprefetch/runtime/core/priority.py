@@ -36,6 +36,9 @@ class PriorityProvider:
     name = "none"
     empty_when_zero = False
     lookahead = 1  # the layer predicted: l + lookahead
+    # "router": asked at layer l's router with its router input (the paper); "pre_attention": asked before layer
+    # l + 1's attention with that layer's pre-attention input (its window: the attention; beyond the paper)
+    stage = "router"
 
     def reset(self) -> None:
         """Forget per-sequence state (a new prompt starts)."""
@@ -62,8 +65,11 @@ class PredictorPriority(PriorityProvider):
     """
 
     def __init__(self, predictor: Any, device: torch.device | str = "cpu") -> None:
+        from specprefetch.predictors.specprefetch import SpecPrefetchAdapter
+
         self.name = str(getattr(predictor, "method", type(predictor).__name__))
         self.lookahead = int(getattr(predictor.dims, "lookahead", 1))
+        self.stage = str(getattr(predictor, "stage", "router"))
         self.pred = predictor.to(device).eval()
         self.empty_when_zero = bool(getattr(predictor, "empty_when_zero", False))
         self.n_pairs = int(predictor.dims.n_pairs)
@@ -76,7 +82,7 @@ class PredictorPriority(PriorityProvider):
             if callable(custom):
                 self._token_scores = custom
                 self._logits = None
-            elif self.name == "specprefetch":
+            elif isinstance(predictor, SpecPrefetchAdapter):  # B A x: SpecPrefetch, the pre-attention router
                 self._a = [predictor.A[l].detach().float().contiguous() for l in range(self.n_pairs)]
                 self._b = [predictor.B[l].detach().float().contiguous() for l in range(self.n_pairs)]
                 self._logits = self._specprefetch

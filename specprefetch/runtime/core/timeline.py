@@ -42,6 +42,7 @@ class LayerEvent:
     prefetch_wasted: int = 0  # prefetches issued for this layer that it did not need (transferred anyway)
     prefetch_cancelled: int = 0  # prefetches for this layer dropped before they started (not needed)
     m_max: int | None = None  # the budget of its prediction step (None: it predicted nothing)
+    early: bool = False       # its prediction came after the layer, before the next one's attention (pre-attention)
 
     @property
     def stall(self) -> float:
@@ -52,10 +53,11 @@ def window_ms(ev: LayerEvent, nxt: LayerEvent) -> float:
     """The prefetch window ``ev`` gave layer ``nxt`` (the next layer of the same step): t_exec(l+1) - t_pred(l) in ms,
     less the time layer l then stalled for its own experts (in an offloaded run its demand loads occupy the device
     then, and a prefetch starts only after them: that time is no window for layer l+1's transfers; 0 with every
-    expert resident). NaN when ``ev`` predicted nothing."""
+    expert resident). A pre-attention prediction (``early``) comes after that stall: its window is layer l+1's
+    attention. NaN when ``ev`` predicted nothing."""
     if ev.t_pred is None:
         return float("nan")
-    return (nxt.t_exec - ev.t_pred - ev.stall_s) * 1e3
+    return (nxt.t_exec - ev.t_pred - (0.0 if ev.early else ev.stall_s)) * 1e3
 
 
 def busy_s(transfers: Iterable[Any]) -> float:

@@ -284,8 +284,9 @@ class ReplayPriority(PriorityProvider):
     :func:`~specprefetch.runtime.core.priority.builtin_provider`). ``empty_when_zero`` is the producing provider's."""
 
     def __init__(self, policy: str, live: PriorityProvider | None, empty_when_zero: bool,
-                 lookahead: int = 1) -> None:
+                 lookahead: int = 1, stage: str = "router") -> None:
         self.policy = policy
+        self.stage = stage  # where the runtime asked the producing provider (before attention: "pre_attention")
         self.live = live
         self.lookahead = int(lookahead)  # the recorded priorities of layer l are for layer l + lookahead
         self.name = live.name if live is not None else policy
@@ -328,7 +329,8 @@ def replay_provider(policy: str, n_layers: int, n_experts: int, lookahead: int =
         return ReplayPriority(policy, live, live.empty_when_zero, lookahead)
     from specprefetch.predictors.base import predictor_class
 
-    return ReplayPriority(policy, None, bool(predictor_class(str(pol.provider)).empty_when_zero), lookahead)
+    cls = predictor_class(str(pol.provider))
+    return ReplayPriority(policy, None, bool(cls.empty_when_zero), lookahead, cls.stage)
 
 
 class _SimWork:
@@ -365,6 +367,10 @@ class _SimWork:
     def batched(self, keys: list[Key], slots: list[int], release: Callable[[], None]) -> None:
         release()
         self.io.account(self.compute.moe_s[self.layer])
+
+    def issued(self, ev: LayerEvent) -> None:
+        """A pre-attention prediction's selection and issue, after its priorities (``scores``)."""
+        self.io.account(self.compute.post_pred_s[ev.layer] + self.compute.cpu_per_prefetch_s * len(ev.issued))
 
     def finish(self, provider: PriorityProvider | None) -> None:
         if provider is None or self.replay is None or self.replay.live is None:
@@ -428,6 +434,8 @@ def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity
                 replay.at(step, st)
             for l in range(n_layers):
                 loop.run(step, l, st.topk[l], work.at(l, st))
+                if l + 1 < n_layers:  # a pre-attention provider predicts layer l+1 before its attention
+                    loop.pre_attention(step, l + 1, work)
                 io.account(compute.gap_s[l] if l + 1 < n_layers else compute.head_s)
             ends.append(io.now())
         if len(ends) > 1:
