@@ -80,6 +80,11 @@ def device_settings(cfg: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError("invalid config key 'device.lookahead.distances': the lookahead experiment runs "
                               f"SpecPrefetch at d = {ahead['distances']}, but predictors.lookahead does not train "
                               f"specprefetch at d = {missing or sorted(set(ahead['distances']) - {1})}")
+    pre = [m for m, mc in d["model_experiments"].items() if "pre_attention" in mc] + \
+        (["every model"] if "pre_attention" in d["experiments"] else [])
+    if pre and "pre_attention" not in cfg["predictors"]["methods"]:
+        raise ConfigError(f"invalid config key 'device.experiments': the pre_attention experiment ({', '.join(pre)}) "
+                          "prefetches with the pre_attention predictor, which predictors.methods does not train")
     for name, v in d["variants"].items():
         if all(v.get(k, d[k]) == d[k] for k in ("emulation", "io_order")):
             raise ConfigError(f"invalid config key 'device.variants.{name}': it measures what the default does "

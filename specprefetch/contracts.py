@@ -45,7 +45,7 @@ PREDICTING: Sequence[str] = NameView(lambda: [p for p, pol in registry.policies(
 STORAGES: Sequence[str] = NameView(registry.storages, "storage")
 EMULATED: Sequence[str] = NameView(lambda: [s for s, st in registry.storages().items() if st.emulated], "storage")
 METHODS: Sequence[str] = NameView(registry.methods, "predictor method")
-EXPERIMENTS = ("main", "matched", "sweep", "storage", "component", "budget", "lookahead")
+EXPERIMENTS = ("main", "matched", "sweep", "storage", "component", "budget", "lookahead", "pre_attention")
 # A variant's runs (device.variants: the same experiment under another emulation or I/O order) are named
 # "<experiment>@<variant>" in runs.csv, so every reader of an experiment sees the default's runs only.
 VARIANT_NAME = r"[a-z][a-z0-9_]*"

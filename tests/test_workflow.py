@@ -28,16 +28,16 @@ def job_counts(output: str) -> dict[str, int]:
 
 
 # Per profile: 5 workloads, 2 models x (corpus + 5 workloads) trace sets of traces.scatter shards each, gathered
-# where the whole set is read (the corpus for training, the simulator's workloads), 2 x 8 predictors (the 4 learned
+# where the whole set is read (the corpus for training, the simulator's workloads), 2 x 9 predictors (the 5 learned
 # ones once per seed: seeds(n) jobs per model), recall per
 # shard, the stand-in realism over every workload's shards, runtime benchmarks per device model, 6 tables (Table 0: the
-# realism), 9 figures (look-ahead, Pareto and budget rules beyond the paper), the look-ahead recall per shard; the
-# PDF only where pdflatex is installed.
+# realism), 10 figures (look-ahead, Pareto, budget rules and pre-attention beyond the paper), the look-ahead recall per
+# shard; the PDF only where pdflatex is installed.
 COMMON = {"prepare_workload": 5, "prepare_corpus": 1, "check_disjoint": 1,
-          "train_predictor": 16, "gather_recall": 1, "gather_params": 1, "measure_predictor_cost": 1,
+          "train_predictor": 18, "gather_recall": 1, "gather_params": 1, "measure_predictor_cost": 1,
           "gather_lookahead": 1,
           "measure_realism": 1,
-          "render_table": 6, "render_figure": 9, "collect_device_benchmarks": 1, "compare_with_paper": 1,
+          "render_table": 6, "render_figure": 10, "collect_device_benchmarks": 1, "compare_with_paper": 1,
           "write_preview": 1, "archive_results": 1, "write_numbers": 1, "paper_tables": 1,
           **({"compile_preview": 1} if shutil.which("pdflatex") else {})}
 
@@ -48,9 +48,9 @@ def traces(scatter: int, gathered: int, corpus: bool = True) -> dict[str, int]:
 
 
 def seeds(n: int, ahead: int) -> dict[str, int]:
-    """train_predictor jobs with predictors.seeds = n: 2 models x (4 learned methods x n seeds + 4 training-free),
+    """train_predictor jobs with predictors.seeds = n: 2 models x (5 learned methods x n seeds + 4 training-free),
     plus SpecPrefetch's n seeds and FATE at each of the ``ahead`` (model, distance >= 2) pairs the models have."""
-    return {"train_predictor": 2 * (4 * n + 4) + ahead * (n + 1)}
+    return {"train_predictor": 2 * (5 * n + 4) + ahead * (n + 1)}
 
 
 DEVICE_RULES = ("build_expert_store", "profile_window", "bench_runtime", "simulate_device", "validate_simulator",

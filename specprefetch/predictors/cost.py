@@ -78,6 +78,7 @@ def one_token_batch(dims: PredictorDims) -> dict[str, Any]:
         "logits": [torch.randn(1, dims.n_experts, generator=g) for _ in range(dims.n_layers)],
         "topk": [torch.randperm(dims.n_experts, generator=g)[: dims.top_k].unsqueeze(0)
                  for _ in range(dims.n_layers)],
+        "pre": [torch.randn(1, dims.hidden_size, generator=g) for _ in range(dims.n_layers)],  # pre-attention
         "token_ids": torch.tensor([5]),
         "sample_index": torch.tensor([0]),
         "position": torch.tensor([7], dtype=torch.int32),

@@ -1229,6 +1229,121 @@ def _from_csv(contract: str, fn: Callable[..., FigureResult]) -> Callable[[Mappi
     return build
 
 
+# --------------------------------------------------------------------------------------------- pre-attention
+PRE_ATTENTION_METHODS = ("fate", "specprefetch", "pre_attention")  # the recall row: the paper's two and the extension
+
+
+def pre_attention_runtime(runs: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any]
+                          ) -> tuple[pd.DataFrame, Any] | None:
+    """runs.csv's pre_attention experiment (beyond the paper; None when it has none -- config/overlays/extensions.yaml
+    runs it): per storage, SpecPrefetch at the window rule's budget and the pre-attention policy at its own budget
+    (the window rule on the attention window) and at SpecPrefetch's, each with its paired gain vs the block's OFF,
+    throughput and ReadyRecall (:func:`summarize`). Returns (points, selection)."""
+    sel = select_device(runs, path, cfg)
+    rows = runs[(runs["platform"] == sel.platform) & (runs["model"] == sel.model)
+                & (runs["source"] == sel.sources[0]) & (runs["experiment"] == "pre_attention")]
+    if rows.empty:
+        return None
+    require_rows(rows, path, "the pre-attention figure's runtime row", policy="pre_attention")
+    g = paired_gains(rows, path).assign(ready_pct=lambda d: d["ready_recall"] * 100.0)
+    g = g[g["policy"] != "off"].assign(m_max=lambda d: d["m_max"].astype(int))
+    return summarize(g, ["storage", "policy", "m_max"], ["gain_pct", "tokens_per_s", "ready_pct"]), sel
+
+
+def figure_pre_attention(recall: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "recall.csv",
+                         runs: pd.DataFrame | None = None, runs_path: Path | str = "runs.csv") -> FigureResult:
+    """Beyond the paper: the pre-attention predictor (layer l's experts from layer l's own pre-attention input) beside
+    SpecPrefetch and FATE (layer l's router input). Top row, per model: ExpertRecall@K per workload and their mean
+    (t-interval over training seeds). With runs.csv's pre_attention experiment, a bottom row per storage: the
+    paired throughput gain vs OFF of SpecPrefetch at its budget and of the pre-attention policy at its own (the
+    window rule on the attention window) and at SpecPrefetch's (paired bootstrap CIs over repeats; labels: the
+    budget and the ReadyRecall)."""
+    models = [m for m in cfg["models"] if m in set(recall["model"])]
+    methods = [m for m in PRE_ATTENTION_METHODS if m in set(recall["method"])]
+    if not models or not methods:  # a profile without pre_attention draws the others (its recall: Table 1's)
+        raise RenderInputError(f"{path}: no rows of {', '.join(PRE_ATTENTION_METHODS)} for any configured model "
+                               "(columns 'model', 'method')")
+    workloads = [w for w in cfg["workloads"] if w in set(recall["workload"])]
+    rt = pre_attention_runtime(runs, runs_path, cfg) if runs is not None else None
+    storages = [s for s in STORAGE_ORDER if rt is not None and s in set(rt[0]["storage"])]
+    cells: list[Cell] = []
+    width = 0.8 / len(methods)
+    with _theme():
+        n_cols = max(len(models), len(storages))
+        n_rows = 2 if storages else 1
+        fig, axes = plt.subplots(n_rows, n_cols, squeeze=False, figsize=(TEXT_WIDTH_IN, 0.6 + 1.9 * n_rows))
+        for ax, m in zip(axes[0], models):
+            k = int(cfg["models"][m]["top_k"])
+            sub = recall[(recall["model"] == m) & (recall["M"] == k)]
+            names = [str(cfg["workloads"][w]["display_name"]) for w in workloads] + ["Mean"]
+            for j, meth in enumerate(methods):
+                part = sub[sub["method"] == meth]
+                if part.empty:
+                    raise RenderInputError(f"{path}: no rows with model={m!r}, method={meth!r}, M={k}")
+                per_w = part.groupby(["workload", "seed"])["expert_recall"].mean().unstack("workload")
+                fields = [seed_fields({int(s): float(v) * 100.0 for s, v in per_w[w].dropna().items()})
+                          for w in workloads]
+                fields.append(seed_fields({int(s): float(v) * 100.0 for s, v in per_w[workloads].mean(axis=1).items()}))
+                xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(names))]
+                ys = [f["value"] for f in fields]
+                err = [[f["value"] - f.get("lo", f["value"]) for f in fields],
+                       [f.get("hi", f["value"]) - f["value"] for f in fields]]
+                ax.bar(xs, ys, width=width, color=color(meth), label=method_label(meth), edgecolor="white",
+                       linewidth=0.4, yerr=err, error_kw={"elinewidth": 0.7, "capsize": 1.2})
+                for wname, f in zip(names, fields, strict=True):
+                    cells.append(Cell(id=f"{model_display(cfg, m)}/{wname}/{method_label(meth)}", quantity="recall",
+                                      keys={"model": model_display(cfg, m), "workload": wname,
+                                            "method": method_label(meth), "M": k}, **f))
+            ax.set_xticks(range(len(names)), names, rotation=25, ha="right")
+            ax.set_ylim(0, 100)
+            ax.set_ylabel(f"R@{k} (%)")
+            ax.set_title(f"(a) {_display(cfg, m)}", loc="left")
+        for ax in axes[0][len(models):]:
+            ax.set_axis_off()
+        meta_rt: dict[str, Any] = {}
+        if rt is not None and storages:
+            pts, sel = rt
+            for ax, st in zip(axes[1], storages):
+                part = pts[pts["storage"] == st].sort_values(["policy", "m_max"])
+                for i, r in enumerate(part.itertuples()):
+                    label = f"{POLICY_LABELS[r.policy]} M={r.m_max}"
+                    ax.bar([i], [r.gain_pct_mean], color=color(r.policy), width=0.7, edgecolor="white",
+                           yerr=[[r.gain_pct_mean - r.gain_pct_lo], [r.gain_pct_hi - r.gain_pct_mean]],
+                           error_kw={"elinewidth": 0.7, "capsize": 1.5})
+                    ready = "" if pd.isna(r.ready_pct_mean) else f"\nRR {r.ready_pct_mean:.0f}%"
+                    ax.text(i, max(r.gain_pct_hi, 0.0) + 1.0, f"M={r.m_max}{ready}", ha="center", va="bottom",
+                            fontsize=5.5)
+                    keys = {"storage": st, "policy": POLICY_LABELS[r.policy], "m_max": int(r.m_max)}
+                    cells += [_stat_cell(f"{st}/{label}/gain", "gain", r.gain_pct_stats, keys),
+                              _stat_cell(f"{st}/{label}/throughput", "throughput", r.tokens_per_s_stats, keys)]
+                    if r.ready_pct_stats is not None:
+                        cells.append(_stat_cell(f"{st}/{label}/ready", "ready_recall", r.ready_pct_stats, keys))
+                ax.set_xticks(range(len(part)), [POLICY_LABELS[p] for p in part["policy"]], rotation=20, ha="right")
+                ax.axhline(0.0, color="#888888", linewidth=0.6, linestyle=":")
+                ax.set_ylim(top=max(5.0, float(part["gain_pct_hi"].max())) * 1.35)
+                ax.set_title(f"(b) {storage_label(st)}", loc="left")
+            axes[1][0].set_ylabel(f"Runtime, {_display(cfg, sel.model)}\nGain vs OFF (%)")
+            for ax in axes[1][len(storages):]:
+                ax.set_axis_off()
+            meta_rt = {"model": sel.model, "platform": sel.platform, "ci": CI_META,
+                       "m_max": {st: {POLICY_LABELS[p]: sorted(int(v) for v in g["m_max"])
+                                      for p, g in pts[pts["storage"] == st].groupby("policy")} for st in storages},
+                       "note": repeats_note(runs[runs["experiment"] == "pre_attention"])}
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="upper center", ncol=len(labels), frameon=False, bbox_to_anchor=(0.5, 1.0))
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
+    doc = TableDoc("fig_pre_attention", "Pre-attention prediction: recall and runtime gain", cfg["profile"], cells,
+                   meta={"note": _caption_note(cfg), "ci": "95 % t-interval over training seeds (recall)",
+                         **({"runtime": meta_rt} if meta_rt else {})})
+    return FigureResult(fig, doc)
+
+
+def _build_pre_attention(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> FigureResult:
+    runs = read_result_csv(inputs["runs"], "runs") if "runs" in inputs else None
+    return figure_pre_attention(read_result_csv(inputs["recall"], "recall"), cfg, inputs["recall"], runs,
+                                inputs.get("runs", "runs.csv"))
+
+
 def _build_lookahead(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> FigureResult:
     runs = read_result_csv(inputs["runs"], "runs") if "runs" in inputs else None
     return figure_lookahead(read_result_csv(inputs["lookahead"], "lookahead"), cfg, inputs["lookahead"], runs,
@@ -1299,6 +1414,18 @@ FIGURES: dict[str, FigureSpec] = {
                                    "budgets stay visible); grey: the uniform-budget sweep where it ran on the storage "
                                    "(its own block and OFF).",
                                    "Budget rules (beyond the paper)"),
+    "fig_pre_attention": FigureSpec("fig_pre_attention", ("recall",), _build_pre_attention,
+                                    "Pre-attention prediction (beyond the paper): ExpertRecall@$K$ of layer $l$'s "
+                                    "experts from layer $l$'s own pre-attention input (two linear maps at "
+                                    "SpecPrefetch's rank, KL plus a pairwise ranking loss) beside SpecPrefetch and "
+                                    "FATE (layer $l-1$'s router input), per workload and their mean (error bars: "
+                                    "95\\,\\% t-interval over training seeds). When the runtime ran the "
+                                    "pre-attention experiment, the lower row: the paired throughput gain vs OFF of "
+                                    "SpecPrefetch at the window rule's budget and of the pre-attention policy, whose "
+                                    "prefetches go out before the layer's attention, at its own budget (the window "
+                                    "rule on the attention window) and at SpecPrefetch's, per storage (95\\,\\% "
+                                    "CIs, paired bootstrap over repeats; labels: the budget and the ReadyRecall).",
+                                    "Pre-attention (beyond the paper)", optional=("runs",)),
     "fig_pareto": FigureSpec("fig_pareto", ("recall", "params", "predictor_cost"), _build_pareto,
                              "What a predictor buys for what it costs: (a) ExpertRecall@$K$ (mean over workloads; "
                              "95\\,\\% t-interval over training seeds) against trainable parameters, (b) against "

@@ -44,6 +44,7 @@ FIGURE_INPUTS: dict[str, tuple[str, ...]] = {
     "fig_lookahead": ("lookahead", "runs"),
     "fig_pareto": ("recall", "params", "predictor_cost", "runs"),
     "fig_budget_rules": ("runs",),
+    "fig_pre_attention": ("recall", "runs"),
 }
 TABLE_NAMES = list(TABLE_INPUTS)
 # The tables with a reproduced-vs-reported companion (<table>_vs_paper.tex); table0_realism is itself a comparison

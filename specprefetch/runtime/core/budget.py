@@ -231,6 +231,25 @@ def lookahead_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | 
     return out
 
 
+PRE_ATTENTION_KEY = "m_max_pre_attention_per_storage"
+
+
+def pre_attention_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | None,
+                          budgets: Mapping[str, int]) -> dict[str, int]:
+    """M_max per storage of the pre-attention policy (beyond the paper: its prefetches for layer l go out before
+    layer l's attention, so its window is that attention, not a whole layer): the window rule on its own window
+    (``window_ms_median_pre_attention``, measured by ``profile_window``) when the budget is auto by the window rule;
+    else the storage's budget ``budgets[storage]`` (a configured integer, or the simulated rule's)."""
+    if profile is None or not is_auto(settings["m_max"]) or budget_rule(settings) != "window":
+        return {st: int(m) for st, m in budgets.items()}
+    per = profile.get(PRE_ATTENTION_KEY) or {}
+    missing = [st for st in budgets if st not in per]
+    if missing:
+        raise BudgetError(f"window profile has no pre-attention M_max for storage {', '.join(missing)}: rerun "
+                          "profile-window")
+    return {st: int(per[st]) for st in budgets}
+
+
 # the EWMA's gain: RFC 6298's for the smoothed round-trip time (a standard estimator's, not fitted here)
 EWMA_ALPHA = 0.125
 

@@ -65,6 +65,7 @@ from specprefetch.runtime.core.budget import (
     ewma_budgets,
     layer_budgets,
     lookahead_budgets,
+    pre_attention_budgets,
     profiled_physical_ms,
     rule_budgets,
     run_budget,
@@ -190,12 +191,15 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
                      rule_m_max: dict[str, set[int]] | None = None,
                      ahead_m_max: dict[str, dict[int, int]] | None = None,
                      dp_m_max: dict[str, tuple[int, ...]] | None = None,
-                     sim_m_max: dict[str, int] | None = None) -> dict[str, list[RunConfig]]:
+                     sim_m_max: dict[str, int] | None = None,
+                     pre_m_max: dict[str, int] | None = None) -> dict[str, list[RunConfig]]:
     """The configurations of every experiment, each storage at its own budget ``budgets[storage]`` (an integer:
     the same budget everywhere) and, for ``budget``, its per-layer budgets ``layer_m_max[storage]``; the sweep
     measures ``device.sweep_m_max``, the storage's budget and every rule's (``rule_m_max[storage]``); ``lookahead``
     each distance at ``ahead_m_max[storage][d]``; ``budget`` also, with ``device.extra_rules``, the DP rule's per-layer
-    budgets ``dp_m_max[storage]``, the online EWMA rule and the simulated rule's budget ``sim_m_max[storage]``
+    budgets ``dp_m_max[storage]``, the online EWMA rule and the simulated rule's budget ``sim_m_max[storage]``;
+    ``pre_attention`` the pre-attention policy at its own budget ``pre_m_max[storage]`` (its window: the attention)
+    and at SpecPrefetch's, beside SpecPrefetch and OFF, on the reference and the slow storage
     (:mod:`~specprefetch.runtime.core.budget` decides them all)."""
     ref, slow = settings["reference_storage"], settings["slow_storage"]
     m_max = budgets if isinstance(budgets, dict) else defaultdict(lambda: int(budgets))
@@ -246,6 +250,14 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
                 RunConfig(exp, "off", st, 0),
                 *(RunConfig(exp, "specprefetch", st, ahead_m_max[st][d], lookahead=d) for d in ds),
                 *(RunConfig(exp, "specprefetch", st, ahead_m_max[st][d]) for d in ds if d != 1))}.values())
+        elif exp == "pre_attention":
+            if not pre_m_max:
+                raise SpecPrefetchError("experiment 'pre_attention' needs its budgets per storage (the window profile)")
+            # its own budget and the control, SpecPrefetch's budget (does the earlier input pay, or the budget?)
+            out[exp] = list({c.signature: c for st in dict.fromkeys([ref, slow]) for c in (
+                RunConfig(exp, "off", st, 0), RunConfig(exp, "specprefetch", st, m_max[st]),
+                RunConfig(exp, "pre_attention", st, pre_m_max[st]),
+                RunConfig(exp, "pre_attention", st, m_max[st]))}.values())
         else:
             raise SpecPrefetchError(f"unknown experiment {exp!r}")
     return out
@@ -529,9 +541,12 @@ def _plan_blocks(settings: dict[str, Any], profile: dict[str, Any],
     extra = settings.get("extra_rules") or []
     sim_m = (storage_budgets({**settings, "budget_rule": "simulated"}, profile, list(m_max))
              if "simulated" in extra and "budget" in exps else None)
+    pre_m = (pre_attention_budgets(settings, profile, {st: m_max[st] for st in (settings["reference_storage"],
+                                                                             settings["slow_storage"])})
+             if "pre_attention" in exps else None)
     plan = plan_experiments(settings, m_max, exps, layer_budgets(settings, profile, m_max),
                             rule_budgets(settings, profile), ahead_m, layer_budgets(settings, profile, m_max, "dp"),
-                            sim_m)
+                            sim_m, pre_m)
     blocks = storage_blocks(plan, settings["max_block_runs"])
     repeats = int(settings["repeats"])
     max_repeats = int(settings["max_repeats"] or repeats)

@@ -50,7 +50,14 @@ from torch import nn
 
 from specprefetch.contracts import BUDGET_CURVE_COLUMNS, EMULATED, LATENCY_PARTS
 from specprefetch.io import atomic_path, provenance, write_json_atomic
-from specprefetch.runtime.core.budget import RULE, budget_storages, derive_m_max, is_auto, window_budgets
+from specprefetch.runtime.core.budget import (
+    PRE_ATTENTION_KEY,
+    RULE,
+    budget_storages,
+    derive_m_max,
+    is_auto,
+    window_budgets,
+)
 from specprefetch.runtime.core.storage import ExpertReader, host_buffer, measure_transfer_ms
 from specprefetch.runtime.core.timeline import LayerEvent, busy_s, routing_rows, window_ms
 from specprefetch.runtime.measurement.session import Harness, RunResult
@@ -255,6 +262,15 @@ def per_layer_windows(events: list[LayerEvent]) -> dict[tuple[int, int], float]:
     return out
 
 
+def pre_attention_windows(events: list[LayerEvent]) -> list[float]:
+    """The window a pre-attention prediction gives layer l+1 (beyond the paper), per decoding event l: from layer l's
+    end to layer l+1's router, ``t_exec(l+1) - t_done(l)`` in ms -- layer l+1's attention with its norms and router,
+    which a prediction before that attention overlaps (the prediction itself comes out of it)."""
+    by = {(ev.step, ev.layer): ev for ev in events if ev.n_tokens == 1}
+    return [(nxt.t_exec - ev.t_done) * 1e3 for (step, layer), ev in sorted(by.items())
+            if (nxt := by.get((step, layer + 1))) is not None]
+
+
 def compute_profile(events: list[LayerEvent], n_layers: int) -> dict[str, Any]:
     """Mean per-layer durations (s) of a run's events with every expert resident: the simulator's compute model."""
     evs = [ev for ev in events if ev.n_tokens == 1]
@@ -333,6 +349,8 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
                                             n_experts)
     ref = settings["reference_storage"]
     t_ref = xfer.used_ms[ref]
+    pre_ms = pre_attention_windows(win.candidates.events)
+    pre_median = statistics.median(pre_ms) if pre_ms else float("nan")
     cpu_ms = {st: transfer_cpu_ms(harness, st) for st in ("nvme_cold", "ram")}
     window_rows = [{"platform": platform, "model": model_name, "layer": layer + 1,
                     "window_ms": statistics.fmean(ws), "transfer_ms": t_ref,
@@ -357,6 +375,8 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
         "transfer_ms_in_runtime": xfer.runtime_ms, "transfer_ms_used": xfer.used_ms, "m_max": per_storage[ref],
         "m_max_per_storage": per_storage, "m_max_per_layer": per_layer,
         "m_max_source": "profiled" if is_auto(settings["m_max"]) else "config", "m_max_rule": RULE,
+        "window_ms_median_pre_attention": pre_median, "window_pre_attention_samples": len(pre_ms),
+        PRE_ATTENTION_KEY: {st: derive_m_max(pre_median, t, n_experts) for st, t in xfer.used_ms.items()},
         "predictor_for_window": win.policy, "emulation": settings["emulation"], "io_order": settings["io_order"],
         "emulated_profiles": {
             name: harness.profile(name).describe() for name in EMULATED},
