@@ -491,10 +491,10 @@ def _need_keys(doc: TableDoc, spec: ClaimSpec, keys: Sequence[str]) -> None:
 
 def _setting_cells(doc: TableDoc, method: str) -> dict[tuple[str, str, str], dict[str, Cell]]:
     """(model, workload, budget) -> {method label: cell} for recall tables, only settings where ``method`` has a
-    value."""
+    value. A row beyond the paper (key ``extension``) is no rival in the paper's claims."""
     out: dict[tuple[str, str, str], dict[str, Cell]] = {}
     for c in doc.cells:
-        if c.value is not None:
+        if c.value is not None and not c.keys.get("extension"):
             out.setdefault((c.keys["model"], c.keys["workload"], str(c.keys["budget"])), {})[c.keys["method"]] = c
     return {k: v for k, v in out.items() if method in v}
 
@@ -544,10 +544,11 @@ def _setting_outcome(spec: ClaimSpec, cells: Mapping[str, Cell]) -> SettingOutco
 
 
 def _settings(doc: TableDoc, method: str) -> dict[tuple[str, str, str], dict[str, float]]:
-    """(model, workload, budget) -> {method label: value} for recall tables, only settings where ``method`` has one."""
+    """(model, workload, budget) -> {method label: value} for recall tables, only settings where ``method`` has one
+    (rows beyond the paper left out, as in :func:`_setting_cells`)."""
     out: dict[tuple[str, str, str], dict[str, float]] = {}
     for c in doc.cells:
-        if c.value is not None:
+        if c.value is not None and not c.keys.get("extension"):
             out.setdefault((c.keys["model"], c.keys["workload"], str(c.keys["budget"])), {})[c.keys["method"]] = \
                 round(c.value, 2)
     return {k: v for k, v in out.items() if method in v}

@@ -1295,7 +1295,8 @@ def figure_pre_attention(recall: pd.DataFrame, cfg: Mapping[str, Any], path: Pat
                                       keys={"model": model_display(cfg, m), "workload": wname,
                                             "method": method_label(meth), "M": k}, **f))
             ax.set_xticks(range(len(names)), names, rotation=25, ha="right")
-            ax.set_ylim(0, 100)
+            low = min(c.value for c in cells if c.keys.get("model") == model_display(cfg, m) and c.value is not None)
+            ax.set_ylim(max(0.0, math.floor(low / 10.0) * 10.0 - 10.0), 100)  # the differences, not the bars' feet
             ax.set_ylabel(f"R@{k} (%)")
             ax.set_title(f"(a) {_display(cfg, m)}", loc="left")
         for ax in axes[0][len(models):]:

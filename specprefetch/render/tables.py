@@ -217,8 +217,9 @@ def _recall_cell(table: str, cfg: Mapping[str, Any], values: Mapping[RecallKey, 
     v = stats["value"]
     text = (pm_ci(v, stats["lo"], stats["hi"], RECALL_DECIMALS, math_mode=False) if "lo" in stats
             else fmt_fixed(v, RECALL_DECIMALS))
+    ext = {"extension": True} if registry.method(method).extension else {}  # beyond the paper: no paper claim's
     return Cell(id=f"{mdisp}/{wdisp}/{label}/R@{b.M}", quantity="recall",
-                keys={"model": mdisp, "workload": wdisp, "method": label, "budget": b.role, "M": b.M},
+                keys={"model": mdisp, "workload": wdisp, "method": label, "budget": b.role, "M": b.M, **ext},
                 text=text, **stats)
 
 
