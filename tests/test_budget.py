@@ -470,3 +470,38 @@ def test_dp_values_are_the_right_candidates_among_the_first_m() -> None:
     events = [ev(0, 0, [0, 1], [3, 5, 7]), ev(0, 1, [5, 7], []), ev(1, 0, [0, 1], [5, 2, 9]), ev(1, 1, [5, 6], [])]
     (layer1,) = right_candidates(events, 2, 3)
     assert layer1 == {1: 0.5, 2: 1.0, 3: 1.5}  # step 0: 3 no, 5 yes, 7 yes; step 1: 5 yes, then none
+
+
+def test_pre_attention_budgets_and_plan() -> None:
+    """Beyond the paper: the pre-attention policy's budget is the window rule on the attention window (the profile's
+    per-storage key) when the budget is auto by the window rule, else the storage's budget; its experiment measures,
+    per reference and slow storage, OFF, SpecPrefetch, and the pre-attention policy at its own budget and at
+    SpecPrefetch's (one run where they are equal); the attention window is t_exec(l+1) - t_done(l)."""
+    from specprefetch.config import section_defaults
+    from specprefetch.runtime.core.budget import pre_attention_budgets
+    from specprefetch.runtime.core.timeline import LayerEvent
+    from specprefetch.runtime.measurement.bench import plan_experiments
+    from specprefetch.runtime.measurement.window import pre_attention_windows
+
+    s = section_defaults("device")
+    prof = {"m_max_pre_attention_per_storage": {"nvme_cold": 1, "slow_ufs": 1}}
+    budgets = {"nvme_cold": 3, "slow_ufs": 1}
+    assert pre_attention_budgets(s, prof, budgets) == {"nvme_cold": 1, "slow_ufs": 1}
+    assert pre_attention_budgets({**s, "m_max": 4}, prof, budgets) == budgets  # a configured budget: the storage's
+    with pytest.raises(BudgetError, match="no pre-attention M_max for storage nvme_cold"):
+        pre_attention_budgets(s, {}, budgets)
+    plan = plan_experiments(s, budgets, ["pre_attention"], pre_m_max={"nvme_cold": 1, "slow_ufs": 1})
+    assert {(c.storage, c.policy, c.m_max) for c in plan["pre_attention"]} == {
+        ("nvme_cold", "off", 0), ("nvme_cold", "specprefetch", 3), ("nvme_cold", "pre_attention", 1),
+        ("nvme_cold", "pre_attention", 3), ("slow_ufs", "off", 0), ("slow_ufs", "specprefetch", 1),
+        ("slow_ufs", "pre_attention", 1)}
+    with pytest.raises(SpecPrefetchError, match="needs its budgets per storage"):
+        plan_experiments(s, budgets, ["pre_attention"])
+
+    def ev(step: int, layer: int, t_exec: float, t_done: float, n: int = 1) -> LayerEvent:
+        return LayerEvent(step=step, layer=layer, n_tokens=n, t_exec=t_exec, required=[], hits=0, inflight=0,
+                          misses=0, ready_pairs=0, t_done=t_done)
+
+    events = [ev(0, 0, 0.0, 0.01, n=5), ev(0, 1, 0.012, 0.02, n=5),  # a prefill: no window
+              ev(1, 0, 0.1, 0.103), ev(1, 1, 0.1045, 0.108), ev(1, 2, 0.1095, 0.111)]
+    assert pre_attention_windows(events) == pytest.approx([1.5, 1.5])
