@@ -1256,8 +1256,8 @@ def figure_pre_attention(recall: pd.DataFrame, cfg: Mapping[str, Any], path: Pat
     SpecPrefetch and FATE (layer l's router input). Top row, per model: ExpertRecall@K per workload and their mean
     (t-interval over training seeds). With runs.csv's pre_attention experiment, a bottom row per storage: the
     paired throughput gain vs OFF of SpecPrefetch at its budget and of the pre-attention policy at its own (the
-    window rule on the attention window) and at SpecPrefetch's (paired bootstrap CIs over repeats; labels: the
-    budget and the ReadyRecall)."""
+    window rule on the attention window) and at SpecPrefetch's (paired bootstrap CIs over repeats; ticks: the
+    budget; above each bar: its ReadyRecall)."""
     models = [m for m in cfg["models"] if m in set(recall["model"])]
     methods = [m for m in PRE_ATTENTION_METHODS if m in set(recall["method"])]
     if not models or not methods:  # a profile without pre_attention draws the others (its recall: Table 1's)
@@ -1311,15 +1311,16 @@ def figure_pre_attention(recall: pd.DataFrame, cfg: Mapping[str, Any], path: Pat
                     ax.bar([i], [r.gain_pct_mean], color=color(r.policy), width=0.7, edgecolor="white",
                            yerr=[[r.gain_pct_mean - r.gain_pct_lo], [r.gain_pct_hi - r.gain_pct_mean]],
                            error_kw={"elinewidth": 0.7, "capsize": 1.5})
-                    ready = "" if pd.isna(r.ready_pct_mean) else f"\nRR {r.ready_pct_mean:.0f}%"
-                    ax.text(i, max(r.gain_pct_hi, 0.0) + 1.0, f"M={r.m_max}{ready}", ha="center", va="bottom",
-                            fontsize=5.5)
+                    if not pd.isna(r.ready_pct_mean):
+                        ax.text(i, max(r.gain_pct_hi, 0.0) + 1.0, f"RR {r.ready_pct_mean:.0f}%", ha="center",
+                                va="bottom", fontsize=5.5)
                     keys = {"storage": st, "policy": POLICY_LABELS[r.policy], "m_max": int(r.m_max)}
                     cells += [_stat_cell(f"{st}/{label}/gain", "gain", r.gain_pct_stats, keys),
                               _stat_cell(f"{st}/{label}/throughput", "throughput", r.tokens_per_s_stats, keys)]
                     if r.ready_pct_stats is not None:
                         cells.append(_stat_cell(f"{st}/{label}/ready", "ready_recall", r.ready_pct_stats, keys))
-                ax.set_xticks(range(len(part)), [POLICY_LABELS[p] for p in part["policy"]], rotation=20, ha="right")
+                ax.set_xticks(range(len(part)), [f"{POLICY_LABELS[p]}\n$M$={m}" for p, m in
+                                                 zip(part["policy"], part["m_max"], strict=True)])
                 ax.axhline(0.0, color="#888888", linewidth=0.6, linestyle=":")
                 ax.set_ylim(top=max(5.0, float(part["gain_pct_hi"].max())) * 1.35)
                 ax.set_title(f"(b) {storage_label(st)}", loc="left")
@@ -1425,7 +1426,7 @@ FIGURES: dict[str, FigureSpec] = {
                                     "SpecPrefetch at the window rule's budget and of the pre-attention policy, whose "
                                     "prefetches go out before the layer's attention, at its own budget (the window "
                                     "rule on the attention window) and at SpecPrefetch's, per storage (95\\,\\% "
-                                    "CIs, paired bootstrap over repeats; labels: the budget and the ReadyRecall).",
+                                    "CIs, paired bootstrap over repeats; above each bar: its ReadyRecall).",
                                     "Pre-attention (beyond the paper)", optional=("runs",)),
     "fig_pareto": FigureSpec("fig_pareto", ("recall", "params", "predictor_cost"), _build_pareto,
                              "What a predictor buys for what it costs: (a) ExpertRecall@$K$ (mean over workloads; "
