@@ -177,6 +177,7 @@ SCHEMA_ENUMS: dict[str, tuple[tuple[str, ...], ...]] = {
     "corpus_sources": (("properties", "train_corpus", "properties", "mixture", "propertyNames", "enum"),),
     "experiments": (("$defs", "device", "properties", "experiments", "items", "enum"),
                     ("$defs", "device", "properties", "model_experiments", "additionalProperties", "items", "enum")),
+    "budget_rules": (("$defs", "device", "properties", "extra_rules", "items", "enum"),),
 }
 STORAGE_PROFILES_PATH = ("$defs", "device", "properties", "storage_profiles", "properties")
 
@@ -187,7 +188,8 @@ def vocabularies(plugins: bool = True) -> dict[str, list[str]]:
     policies = list(registry.policies()) if plugins else [p.name for p in registry.BUILTIN_POLICIES]
     return {"methods": methods, "storages": list(registry.storages()), "policies": policies,
             "platforms": list(registry.PLATFORMS), "workload_generators": list(registry.WORKLOAD_GENERATORS),
-            "corpus_sources": list(registry.CORPUS_SOURCES), "experiments": list(EXPERIMENTS)}
+            "corpus_sources": list(registry.CORPUS_SOURCES), "experiments": list(EXPERIMENTS),
+            "budget_rules": list(registry.EXTRA_BUDGET_RULES)}
 
 
 def storage_profile_defaults() -> dict[str, Any]:

@@ -142,6 +142,9 @@ BUILTIN_STORAGES: tuple[Storage, ...] = (
 # Workload generators (workloads.<w>.generator) and the training corpus' offline sources (train_corpus.mixture).
 WORKLOAD_GENERATORS = ("gsm8k_synth", "humaneval", "ocr_synth", "chartqa_synth", "hallusion_synth", "hub", "local")
 CORPUS_SOURCES = ("gsm8k_synth", "ocr_synth", "chartqa_synth", "hallusion_synth", "stdlib_code", "stdlib_docs")
+# Budget rules beyond the paper (device.extra_rules, runs.csv's budget_rule): the DP allotment, the online EWMA rule and
+# the simulated rule (runtime.core.budget decides them; render.figures.BUDGET_RULES draws them with the paper's two).
+EXTRA_BUDGET_RULES = ("dp", "ewma", "simulated")
 # Simulated platforms (device.simulator.platforms); their numbers are runtime.simulation.platforms.PLATFORMS.
 PLATFORMS = ("snapdragon_8_elite",)
 

@@ -135,6 +135,13 @@ def test_schema_enums_are_the_registry() -> None:
         assert p.provider is None or p.provider in registry.methods()
     assert set(registry.POLICY_DISPLAY_ORDER) == {p.name for p in registry.BUILTIN_POLICIES}
     assert sorted(s.speed_rank for s in registry.BUILTIN_STORAGES) == list(range(len(registry.BUILTIN_STORAGES)))
+    # the budget rules beyond the paper: the runs' vocabulary and the figure's (beside the paper's window rule per
+    # storage and per layer)
+    from specprefetch.render.figures import BUDGET_RULES
+    from specprefetch.runtime.measurement.bench import EXTRA_RULES
+
+    assert EXTRA_RULES == registry.EXTRA_BUDGET_RULES
+    assert list(BUDGET_RULES) == ["window", "layer", *registry.EXTRA_BUDGET_RULES]
 
 
 def test_every_profile_validates_against_the_filled_schema() -> None:

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from specprefetch import registry
 from specprefetch.contracts import POLICY, ROUTING_FORMAT, RUN_COLUMNS, save_tensor_tree, variant_experiment
 from specprefetch.io import SpecPrefetchError, atomic_path, provenance
 from specprefetch.metrics import bootstrap_ci
@@ -82,7 +83,7 @@ log = logging.getLogger(__name__)
 Signature = tuple[str, str, int, bool, tuple[int, ...], int, str]
 # budget rules beyond the paper a run can be named after (RunConfig.rule, runs.csv's budget_rule; "": the paper's
 # window rule, per storage or per layer); the runtime applies ONLINE_RULES itself, step by step
-EXTRA_RULES = ("dp", "ewma", "simulated")
+EXTRA_RULES = registry.EXTRA_BUDGET_RULES
 ONLINE_RULES = ("ewma",)
 
 
