@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specprefetch import registry
 from specprefetch.config import LEARNED_METHODS, METHOD_LABELS, load_config, n_moe_layers
 from specprefetch.predictors import PredictorDims, build_predictor
 from specprefetch.render.reported import load_reported
@@ -41,6 +42,8 @@ REAL = {
 # - specprefetch: 5 %. The count is exactly (L-1) r (D+n); the paper's counts imply r = 63.4 (Qwen) and 61.0
 #   (DeepSeek), so one integer rank (64) for both models leaves +1.0 % and +4.9 %; rank 65 (+6.5 %) is rejected.
 REL_TOL = {"single_mlp": 0.0025, "promoe": 0.0025, "draft_model": 0.03, "specprefetch": 0.05}
+# The paper's learned methods (Table 3's columns); a method beyond the paper has no paper count
+PAPER_LEARNED = [m for m in LEARNED_METHODS if not registry.method(m).extension]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +71,7 @@ def rows(paper_cfg: dict) -> list[dict]:
     out = []
     for model in REAL:
         display = paper_cfg["models"][model]["display_name"]
-        for method in LEARNED_METHODS:
+        for method in PAPER_LEARNED:
             paper = reported[(display, METHOD_LABELS[method])]
             ours = count(paper_cfg, model, method)
             out.append({"model": display, "method": method, "ours": ours, "paper": paper,
@@ -97,7 +100,7 @@ def test_paper_yaml_has_the_real_shapes(paper_cfg: dict) -> None:
 def test_table3_at_the_real_shapes(rows: list[dict]) -> None:
     table = format_table(rows)
     print("\nTable 3 at the real shapes (config/paper.yaml):\n" + table)
-    assert {(r["model"], r["method"]) for r in rows} == {(r["model"], m) for r in rows for m in LEARNED_METHODS}
+    assert {(r["model"], r["method"]) for r in rows} == {(r["model"], m) for r in rows for m in PAPER_LEARNED}
     bad = [r for r in rows if abs(r["residual"]) > r["tol"]]
     assert not bad, "trainable parameters outside the tolerance of the paper's Table 3:\n" + table
 
@@ -129,3 +132,13 @@ def test_per_model_settings_resolve_like_training() -> None:
     cfg["predictors"]["single_mlp"]["hidden_per_model"] = {"c": 4}
     with pytest.raises(PredictorError, match=r"predictors\.single_mlp\.hidden_per_model: unknown model\(s\) c"):
         method_config(cfg, "single_mlp", "a")
+
+
+def test_pre_attention_has_specprefetchs_parameters_at_the_real_shapes(paper_cfg: dict) -> None:
+    """Beyond the paper: the pre-attention router is SpecPrefetch's low-rank form at the profile's same rank, so at the
+    real shapes it has exactly SpecPrefetch's parameters, (L-1) r (D+n)."""
+    assert paper_cfg["predictors"]["pre_attention"]["rank"] == paper_cfg["predictors"]["specprefetch"]["rank"]
+    for model, m in REAL.items():
+        n_layers = m["num_hidden_layers"] - m["first_dense_layers"]
+        want = (n_layers - 1) * 64 * (m["hidden_size"] + m["n_experts"])
+        assert count(paper_cfg, model, "pre_attention") == count(paper_cfg, model, "specprefetch") == want

@@ -556,6 +556,9 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         prof = profile_window(h, "tiny", "test-cpu", tmp_path / "window",
                               budget_model=lambda p, r: budget_curves(p, r, s))
         assert 1 <= prof["m_max"] <= spec.n_experts and prof["window_ms_mean"] > 0
+        # the pre-attention window (layer l+1's attention) is part of the layer's window, and has its own budgets
+        assert 0 < prof["window_ms_median_pre_attention"] < prof["window_ms_median"]
+        assert set(prof["m_max_pre_attention_per_storage"]) == set(prof["m_max_per_storage"])
         fl = prof["disk_fluctuation"]  # the cold disk's batch medians, in ms, and their spread
         assert len(fl["batch_median_ms"]) == fl["batches"] and fl["min_ms"] <= fl["max_ms"] <= fl["read_max_ms"]
         assert fl["cv_pct"] >= 0 and fl["batch_s"] > 0
@@ -609,7 +612,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     assert all(r["lookahead"] == "1" for r in got if r["experiment"] != "lookahead")
     assert ahead_rows[(1, m1)]["measured_in"] == "component" and ahead_rows[(2, m2)]["measured_in"] == "lookahead"
     assert ahead_rows[(1, m2)]["measured_in"] == ("lookahead" if control else "component")
-    assert {r["policy"] for r in got if r["experiment"] == "main"} == set(POLICIES)
+    assert {r["policy"] for r in got if r["experiment"] == "main"} == set(s["main_policies"])
     assert {(r["compute_opt"], r["policy"]) for r in got if r["experiment"] == "component"} == {
         ("false", "off"), ("false", "specprefetch"), ("true", "off"), ("true", "specprefetch")}
     for r in got:
@@ -1528,9 +1531,13 @@ def test_pre_attention_prefetches_before_the_layers_attention(setup: dict[str, A
     assert sum(ev.prefetch_used + ev.prefetch_wasted + ev.prefetch_cancelled for ev in dec) > 0
     # the priorities of the last step's layer 1 are the predictor's on layer 1's pre-attention input
     pred = rt.provider.pred
-    with RouterCapture(setup["model"], spec, pre_attention=True) as cap:
-        setup["model"](out[:, :-1])
+    with RouterCapture(setup["model"], spec, pre_attention=True) as cap:  # the same run, its norms' outputs captured
+        again, rt2 = run_policy(setup, "pre_attention", m_max=3, capacity=2 * spec.top_k + 3, sync=True, io_workers=1,
+                                record=True)
         pre = cap.pre_attention_inputs()
+    assert torch.equal(again, out)
+    dec = [ev for ev in rt2.events if ev.n_tokens == 1]
+    by = {(ev.step, ev.layer): ev for ev in dec}
     last = max(ev.step for ev in dec)
     with torch.no_grad():
         want = (pre[1][-1:].float() @ pred.A[0].T.float()) @ pred.B[0].T.float()
