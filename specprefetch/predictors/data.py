@@ -27,8 +27,7 @@ from torch.utils.data import IterableDataset
 
 from specprefetch.io import SpecPrefetchError
 from specprefetch.predictors.base import PredictorError
-from specprefetch.traces.store import PER_LAYER_KEYS as PER_LAYER
-from specprefetch.traces.store import PRE_KEY
+from specprefetch.traces.store import PRE_KEY, layer_keys
 
 log = logging.getLogger(__name__)
 TOKEN_KEYS = ("token_ids", "sample_index", "position", "is_image", "is_prompt")
@@ -40,9 +39,9 @@ TOKEN_KEYS = ("token_ids", "sample_index", "position", "is_image", "is_prompt")
 def shard_to_batch(shard: Mapping[str, Tensor], n_layers: int) -> dict[str, Any]:
     """A shard's flat tensors (``x.0`` ...) -> the batch layout (``x: [x.0, ...]``; ``pre`` too where the trace
     stores the pre-attention inputs)."""
-    keys = (*PER_LAYER, PRE_KEY) if f"{PRE_KEY}.0" in shard else PER_LAYER
     try:
-        batch: dict[str, Any] = {k: [shard[f"{k}.{i}"] for i in range(n_layers)] for k in keys}
+        batch: dict[str, Any] = {k: [shard[f"{k}.{i}"] for i in range(n_layers)]
+                                 for k in layer_keys(f"{PRE_KEY}.0" in shard)}
         batch.update({k: shard[k] for k in TOKEN_KEYS})
     except KeyError as exc:
         raise PredictorError(f"trace shard lacks tensor {exc.args[0]!r}") from None

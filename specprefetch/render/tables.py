@@ -379,8 +379,9 @@ def build_table3(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
     caption = "Trainable parameters of different expert predictors. " + latex_escape(profile_sentence(cfg))
     if ratios:
         caption += " " + latex_escape(ratio_sentence(ratios))
-    if extension_note(methods):
-        caption += " " + extension_note(methods)
+    ext = extension_note(methods)
+    if ext:
+        caption += " " + ext
     context = {"caption": caption, "label": "tab:params", "rows": rows,
                "methods": [row_label(m) for m in methods]}
     doc = TableDoc("table3_params", "Table 3: trainable parameters", cfg["profile"], cells,

@@ -66,7 +66,7 @@ def route_captured(
     output format or a wrong ``RoutingSpec``). Valid rows are kept and cast to the storage dtypes on the
     compute device (fewer bytes to move) before one copy to CPU.
     """
-    keep = None if valid is None or bool(valid.all()) else valid.reshape(-1).to(xs[0].device)
+    keep = _valid_rows(valid, xs[0].device)
     logits = [spec.logits(i, x) for i, x in enumerate(xs)]
     topk = _executed_topk(spec, xs, logits, executed, check)
     out_x, out_logits, out_topk = [], [], []
@@ -77,6 +77,11 @@ def route_captured(
         out_logits.append(lg.to(logits_dtype).cpu())
         out_topk.append(tk.to(TOPK_DTYPE).cpu())
     return out_x, out_logits, out_topk
+
+
+def _valid_rows(valid: Tensor | None, device: torch.device) -> Tensor | None:
+    """The row mask of the valid tokens on ``device`` (None: every row is kept)."""
+    return None if valid is None or bool(valid.all()) else valid.reshape(-1).to(device)
 
 
 def _recompute_topk(spec: Any, xs: list[Tensor], logits: list[Tensor]) -> list[Tensor]:
@@ -173,7 +178,7 @@ def traced_forward(model: torch.nn.Module, spec: Any, kwargs: dict[str, Tensor],
     x, logits, topk = route_captured(spec, xs, valid, input_dtype, logits_dtype, executed=executed, check=check)
     out = {"x": x, "logits": logits, "topk": topk}
     if pres is not None:
-        keep = None if valid is None or bool(valid.all()) else valid.reshape(-1).to(pres[0].device)
+        keep = _valid_rows(valid, pres[0].device)
         out["pre"] = [(p if keep is None else p[keep]).to(input_dtype).cpu() for p in pres]
     return out
 

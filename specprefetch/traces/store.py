@@ -52,6 +52,12 @@ MANIFEST = "manifest.json"
 ROUTERS = "routers.safetensors"
 PER_LAYER_KEYS = ("x", "logits", "topk")
 PRE_KEY = "pre"  # the optional per-layer pre-attention input
+
+
+def layer_keys(pre_attention: bool) -> tuple[str, ...]:
+    """The per-layer tensors of a trace (its shards and batches): ``pre`` too where it stores the pre-attention
+    inputs."""
+    return (*PER_LAYER_KEYS, PRE_KEY) if pre_attention else PER_LAYER_KEYS
 # Per-token tensors and their stored dtypes (fixed by the contract).
 TOKEN_KEYS: dict[str, torch.dtype] = {
     "token_ids": torch.int64,
@@ -124,7 +130,7 @@ class TraceWriter:
         self.logits_dtype = (logits_dtype if isinstance(logits_dtype, torch.dtype)
                              else dtype_from_name(logits_dtype, LOGITS_DTYPES, "traces.logits_dtype"))
         self.pre_attention = bool(pre_attention)
-        self.layer_keys = (*PER_LAYER_KEYS, PRE_KEY) if self.pre_attention else PER_LAYER_KEYS
+        self.layer_keys = layer_keys(self.pre_attention)
         self.n_layers = len(self.meta["moe_layers"])
         self.n_experts = int(self.meta["n_experts"])
         self.top_k = int(self.meta["top_k"])
@@ -322,7 +328,7 @@ class TraceReader:
         self._dtypes = {k: dtype_from_name(v, (*INPUT_DTYPES, "int32", "int64", "uint8"), f"{path} dtypes.{k}")
                         for k, v in self.manifest["dtypes"].items()}
         # the per-layer tensors of every shard (and batch): the pre-attention inputs where the trace stores them
-        self.layer_keys = (*PER_LAYER_KEYS, PRE_KEY) if PRE_KEY in self._dtypes else PER_LAYER_KEYS
+        self.layer_keys = layer_keys(PRE_KEY in self._dtypes)
 
     @property
     def has_pre_attention(self) -> bool:
