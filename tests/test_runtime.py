@@ -1554,3 +1554,87 @@ def test_pre_attention_prefetches_before_the_layers_attention(setup: dict[str, A
     assert all(ev.early for ev in sim.events if ev.n_tokens == 1 and ev.layer + 1 < n_layers)
     for name in ("hits", "misses", "prefetched", "wasted", "cancelled"):
         assert getattr(rt.stats(), name) == getattr(sim.stats, name), name
+
+
+# ------------------------------------------------------------------------------------------ batch decoding
+def _batch_ids(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` random prompts of different lengths (5..8 tokens), left-padded with id 0, and their mask."""
+    from specprefetch.runtime.measurement.decode import Prompt, collate
+
+    g = torch.Generator().manual_seed(11)
+    prompts = [Prompt(f"p{i}", {"input_ids": torch.randint(1, VOCAB, (1, 8 - i % 4), generator=g)})
+               for i in range(batch)]
+    p = collate(prompts, pad_id=0)
+    return p.kwargs["input_ids"], p.kwargs["attention_mask"]
+
+
+@pytest.mark.parametrize("policy", ["off", "specprefetch", "naive", "pre_attention", "resident"])
+def test_batch_decoding_gives_the_plain_batched_tokens(setup: dict[str, Any], policy: str) -> None:
+    """Beyond the paper: the runtime decodes a batch of 3 left-padded prompts (one token of each per step) with the
+    plain model's batched greedy tokens; a decoding step's event has the batch's 3 tokens, its demand is their union,
+    ReadyRecall counts every token, and the priorities are the paper's batch priorities (the summed per-token
+    distributions)."""
+    model, spec, store = setup["model"], setup["spec"], setup["store"]
+    ids, mask = _batch_ids(3)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                         pad_token_id=0)
+    reader = ExpertReader(store, make_profile("ram", _device(emulation="bandwidth"), store.layout.payload_bytes))
+    opts = RuntimeOptions(policy=policy, m_max=4, capacity=4 * spec.top_k + 4, sync_prefetch=True, io_workers=1,
+                          record_routing=True, batch=3)
+    rt = OffloadedRuntime(model, store, reader, opts, provider_for(policy, spec), spec=spec)
+    try:
+        rt.install()
+        rt.reset_run()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                             pad_token_id=0)
+    finally:
+        rt.uninstall()
+        rt.close()
+        reader.close()
+    assert torch.equal(out, ref), f"{setup['name']} {policy}"
+    dec = [ev for ev in rt.events if ev.decode]
+    assert dec and all(ev.n_tokens == 3 for ev in dec)
+    assert not any(ev.decode for ev in rt.events if ev.n_tokens != 3)
+    for ev in dec:
+        assert ev.required == sorted({int(e) for e in ev.topk.reshape(-1).tolist()})
+    st = rt.stats()
+    assert st.n_tokens == NEW - 1 and 0.0 <= st.ready_recall <= 1.0
+    if policy == "resident":
+        assert st.ready_recall == 1.0
+    if policy in ("specprefetch", "naive", "pre_attention"):
+        assert st.prefetched > 0
+    if policy == "specprefetch":  # the batch priorities: the softmax of each token's logits, summed
+        with torch.no_grad():
+            x = torch.randn(3, spec.hidden_size)
+            pred = rt.provider.pred
+            want = torch.softmax((x @ pred.A[0].T) @ pred.B[0].T, dim=-1).sum(dim=0)
+        torch.testing.assert_close(torch.as_tensor(rt.provider.scores(0, x)), want, rtol=1e-5, atol=1e-6)
+
+
+def test_naive_prefetch_counts_every_sequence_of_a_batch() -> None:
+    """Naive Prefetch with a batch: the previous step's experts of every sequence, the ones more sequences used
+    first; with one sequence, the previous token's experts by routing weight (the paper's)."""
+    p = PreviousTokenPriority(n_layers=3, n_experts=6)
+    p.batch = 2
+    p.observe(0, torch.tensor([[2, 3], [0, 1], [4, 5], [3, 2]]), torch.ones(4, 2))  # prefill: 2 sequences x 2
+    assert set(torch.nonzero(p.last[0]).flatten().tolist()) == {0, 1, 2, 3}  # each sequence's last token
+    p.observe(1, torch.tensor([[0, 1], [1, 4]]), torch.tensor([[0.9, 0.1], [0.2, 0.8]]))  # one token of each
+    s = p.last[1]
+    assert s[1] > s[0] > s[4] > 0.0 and s[2] == s[3] == s[5] == 0.0  # expert 1: both sequences
+    one = PreviousTokenPriority(n_layers=3, n_experts=6)
+    one.observe(1, torch.tensor([[2, 3], [0, 5]]), torch.tensor([[0.5, 0.5], [0.3, 0.7]]))  # a 2-token prefill
+    assert set(torch.nonzero(one.last[1]).flatten().tolist()) == {0, 5} and one.last[1][5] > one.last[1][0]
+
+
+def test_collate_left_pads_text_prompts_only() -> None:
+    from specprefetch.runtime.measurement.decode import Prompt, collate
+
+    a = Prompt("a", {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)})
+    b = Prompt("b", {"input_ids": torch.tensor([[8]])})
+    p = collate([a, b], pad_id=0)
+    assert p.id == "a+b" and p.batch == 2 and p.n_tokens == 3
+    assert p.kwargs["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert p.kwargs["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    img = Prompt("c", {"input_ids": torch.tensor([[1]]), "pixel_values": torch.zeros(1, 3)})
+    with pytest.raises(SpecPrefetchError, match="prompt 'c' cannot join a batch.*pixel_values"):
+        collate([a, img], pad_id=0)

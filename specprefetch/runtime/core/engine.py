@@ -13,7 +13,9 @@ At MoE layer ``l`` (one call of ``OffloadedExperts.forward``), the per-layer loo
    prefetched experts the layer does not need become the first eviction candidates.
 2. Required experts are pinned; absent ones are queued as demand loads, which the compute thread performs itself
    when it reaches them (no hand-off to an I/O thread; the layer blocks either way).
-3. In a decoding step (one token), the policy's provider turns ``x^l`` into priorities ``s^{l+1}`` (``t_pred``); the
+3. In a decoding step (one new token per sequence; ``batch`` sequences, beyond the paper's batch-1 runtime, give the
+   paper's batch priorities: the per-token distributions summed), the policy's provider turns ``x^l`` into
+   priorities ``s^{l+1}`` (``t_pred``); the
    top ``M_max`` experts of layer ``l+1`` neither resident nor in flight are queued as asynchronous prefetches in
    priority order (PRED0 computes them but issues nothing). With a look-ahead ``d`` (``lookahead``, beyond the
    paper) the provider predicts layer ``l+d`` and the prefetches go there, at that layer's budget. A prefill (many
@@ -81,12 +83,15 @@ class RuntimeOptions:
     layer_m_max: tuple[int, ...] = ()  # per-layer budget M_max,l (index: the layer prefetched into); (): m_max
     lookahead: int = 1            # layer l prefetches into layer l + lookahead (its provider must predict that far)
     ewma: EwmaBudget | None = None  # the online budget rule (its seeds): overrides m_max / layer_m_max when given
+    batch: int = 1                # sequences decoded together (a decoding step: one new token of each)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise OffloadError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 1:
             raise OffloadError(f"lookahead must be an integer >= 1, got {self.lookahead!r}")
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise OffloadError(f"batch must be an integer >= 1, got {self.batch!r}")
         if self.m_max < 0 or any(m < 0 for m in self.layer_m_max):
             raise OffloadError(f"m_max must be >= 0, got {self.m_max} {list(self.layer_m_max) or ''}")
 
@@ -160,7 +165,8 @@ def resident_pool(store: ExpertStore, device: str | torch.device = "cpu") -> Slo
 
 
 class OffloadedRuntime:
-    """Batch-1 offloaded decoding of a transformers MoE model (see the module docstring)."""
+    """Offloaded greedy decoding of a transformers MoE model, one sequence or a batch (``RuntimeOptions.batch``;
+    see the module docstring)."""
 
     def __init__(self, model: nn.Module, store: ExpertStore, reader: ExpertReader, options: RuntimeOptions,
                  provider: PriorityProvider | None = None, spec: Any | None = None,
@@ -191,6 +197,8 @@ class OffloadedRuntime:
         if self.policy.provider is not None and provider is None:
             raise OffloadError(f"policy {options.policy!r} needs a priority provider (a predictor)")
         self.provider = provider if self.policy.predicts else None
+        if self.provider is not None:
+            self.provider.batch = options.batch  # its per-sequence state (Naive Prefetch) reads the batch
         ahead = getattr(self.provider, "lookahead", options.lookahead)
         if ahead != options.lookahead:
             raise OffloadError(f"policy {options.policy!r} prefetches {options.lookahead} layer(s) ahead, but its "
@@ -210,7 +218,7 @@ class OffloadedRuntime:
                               sync=options.sync_prefetch,
                               retries=options.io_retries, record=options.record_routing,
                               topm_absent=tuple(options.topm_absent), load_error=self._load_error,
-                              online=online_budget(options.policy, options.ewma))
+                              online=online_budget(options.policy, options.ewma), batch=options.batch)
         self.originals: list[nn.Module | None] = []
         self._pre_hooks: list[Any] = []  # a pre-attention provider's hooks on the pre-attention norms
         self.installed = False
@@ -348,12 +356,13 @@ class OffloadedRuntime:
         return work.out
 
     def _pre_attention_hook(self, layer: int) -> Callable[..., None]:
-        """The forward hook on MoE layer ``layer``'s pre-attention norm: in a decoding step (one token), the provider's
-        prediction for ``layer`` from the norm's output, before the attention runs."""
+        """The forward hook on MoE layer ``layer``'s pre-attention norm: in a decoding step (one new token per
+        sequence), the provider's prediction for ``layer`` from the norm's output, before the attention runs."""
+        batch = self.opt.batch
 
         def hook(module: nn.Module, args: Any, output: Tensor) -> None:
-            if self._runtime_of_hook_is_bound() and output.shape[:-1].numel() == 1:
-                self.loop.pre_attention(self.step, layer, _PreAttentionScores(output.detach().reshape(1, -1)))
+            if self._runtime_of_hook_is_bound() and output.shape[:-1].numel() == batch:
+                self.loop.pre_attention(self.step, layer, _PreAttentionScores(output.detach().reshape(batch, -1)))
 
         return hook
 

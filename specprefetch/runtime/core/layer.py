@@ -7,13 +7,15 @@ One MoE layer (:meth:`LayerLoop.run`):
    ReadyRecall pairs) and the prefetches issued for this layer are counted.
 2. Required experts are pinned in ascending id while the cache has room, absent ones queued as demand loads
    (:func:`acquire`).
-3. In a decoding step (one token) a predicting policy's provider gives the priorities ``s^{l+d}`` (``t_pred``; the
-   look-ahead ``d`` is the provider's, 1 in the paper); the top ``M_max`` experts of layer ``l+d`` neither resident
+3. In a decoding step (one new token per sequence of the ``batch``) a predicting policy's provider gives the
+   priorities ``s^{l+d}`` (``t_pred``; the look-ahead ``d`` is the provider's, 1 in the paper; with a batch they are
+   the paper's batch priorities, summed over the batch's tokens); the top ``M_max`` experts of layer ``l+d`` neither resident
    nor in flight are queued as prefetches in priority order (:func:`issue_prefetches`; PRED0 selects and issues
    nothing).
 4. Compute, in ascending expert id: each expert is waited for until resident (the stall; a queued load is performed
    by the compute thread itself, a failed one reloaded on demand), computed and released -- or, with ``compute_opt``
-   in a decoding step, all K experts are waited for and then computed at once (the batched fast path).
+   in a decoding step of one sequence, all K experts are waited for and then computed at once (the batched fast
+   path; a batch of several sequences computes expert by expert, as transformers' eager loop does).
 5. The layer's experts become the most recently used; the provider observes the layer's routing (``t_done``).
 
 A provider of stage ``pre_attention`` (beyond the paper) predicts at another point: not in step 3, but before the
@@ -174,6 +176,7 @@ class LayerLoop:
     topm_absent: tuple[int, ...] = ()   # record |Top_M(s) minus available| at t_pred for these M (Figure 1b)
     load_error: Callable[[Key], Exception] = _load_error  # the error when an expert cannot be loaded at all
     online: EwmaBudget | None = None    # an online budget rule: it overrides ``budget_of`` when given
+    batch: int = 1                      # sequences decoded together: a decoding step has one token of each
     issued: Issued = field(default_factory=lambda: defaultdict(list))
     events: list[LayerEvent] = field(default_factory=list)
 
@@ -184,13 +187,14 @@ class LayerLoop:
         (``record_routing``)."""
         io, cache = self.io, self.cache
         io.poll()
-        decoding = len(rows) == 1
+        decoding = len(rows) == self.batch  # one new token per sequence (a prefill has several per sequence)
         io.charge_delays = decoding  # prefill loads take no emulated delay (prefill is not timed)
         if t_exec is None:
             t_exec = io.now()
         required = sorted({e for r in rows for e in r if 0 <= e < self.n_experts})
         keys = [(layer, e) for e in required]
         ev = begin_layer(cache, io, self.issued, step, layer, t_exec, rows, required)
+        ev.decode = decoding
         if topk is not None:
             ev.topk = topk
         if decoding and self.online is not None:
@@ -202,7 +206,7 @@ class LayerLoop:
                      and layer + self.provider.lookahead < self.n_layers)
         if predicted:
             self.predict(ev, step, layer, work, protect)
-        batched = self.compute_opt and decoding and len(keys) == len(rows[0])
+        batched = self.compute_opt and decoding and len(rows) == 1 and len(keys) == len(rows[0])
         work.prepared(ev, predicted, batched)
         if batched:
             self._compute_batched(keys, j, protect, ev, work, step)
@@ -228,7 +232,7 @@ class LayerLoop:
         from its pre-attention input (``work.scores``), selected at that layer's budget and prefetched, all recorded
         in the event of layer ``layer - 1`` (done by now; nothing is pinned), the prediction it stands for."""
         prev = self.events[-1] if self.events else None
-        if (not self.early or prev is None or prev.step != step or prev.layer != layer - 1 or prev.n_tokens != 1
+        if (not self.early or prev is None or prev.step != step or prev.layer != layer - 1 or not prev.decode
                 or layer >= self.n_layers):
             return
         prev.early = True

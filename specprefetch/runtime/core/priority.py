@@ -39,6 +39,7 @@ class PriorityProvider:
     # "router": asked at layer l's router with its router input (the paper); "pre_attention": asked before layer
     # l + 1's attention with that layer's pre-attention input (its window: the attention; beyond the paper)
     stage = "router"
+    batch = 1  # sequences decoded together (set by the runtime): a prefill's rows are [batch x tokens], batch-major
 
     def reset(self) -> None:
         """Forget per-sequence state (a new prompt starts)."""
@@ -165,11 +166,14 @@ class PreviousTokenPriority(PriorityProvider):
         return self.last[layer + self.lookahead]
 
     def observe(self, layer: int, top_k_index: Tensor, top_k_weights: Tensor) -> None:
-        idx = top_k_index[-1].reshape(-1).long().cpu()   # the step's last token is the "previous" one next step
-        w = top_k_weights[-1].reshape(-1).float().cpu()
+        # each sequence's last token of the step is its "previous" one next step (rows: [batch x tokens])
+        k = top_k_index.shape[-1]
+        idx = top_k_index.reshape(self.batch, -1, k)[:, -1].long().cpu()
+        w = top_k_weights.reshape(self.batch, -1, k)[:, -1].float().cpu().clamp(min=0)
         s = torch.zeros(self.n_experts)
-        # a positive score for every executed expert, ordered by its routing weight
-        s[idx] = 1.0 + w.clamp(min=0) / (1.0 + w.clamp(min=0).max())
+        # a positive score for every executed expert: how many sequences used it, then its routing weight
+        for i, wi in zip(idx, w):
+            s.index_add_(0, i, 1.0 + wi / (1.0 + wi.max()))
         self.last[layer] = s
 
 

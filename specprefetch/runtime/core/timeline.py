@@ -43,6 +43,11 @@ class LayerEvent:
     prefetch_cancelled: int = 0  # prefetches for this layer dropped before they started (not needed)
     m_max: int | None = None  # the budget of its prediction step (None: it predicted nothing)
     early: bool = False       # its prediction came after the layer, before the next one's attention (pre-attention)
+    decode: bool | None = None  # a decoding step (one new token per sequence); None: one token (batch 1)
+
+    def __post_init__(self) -> None:
+        if self.decode is None:
+            self.decode = self.n_tokens == 1
 
     @property
     def stall(self) -> float:
@@ -103,12 +108,12 @@ class RunStats:
 
 
 def summarize(events: Sequence[LayerEvent], top_k: int, decode_only: bool = True) -> RunStats:
-    """Counters and ReadyRecall over the events (decoding steps: one token per step)."""
+    """Counters and ReadyRecall over the events (decoding steps: one new token per sequence of the batch)."""
     st = RunStats()
     ready, denom = 0, 0
     steps = set()
     for ev in events:
-        if decode_only and ev.n_tokens != 1:
+        if decode_only and not ev.decode:
             continue
         if ev.layer == 0:
             steps.add(ev.step)

@@ -328,7 +328,7 @@ def overlap_bound(events: list[Any], comp: dict[str, Any] | None, transfer_ms: f
     per_layer = [b + m + g for b, m, g in zip(comp["book_s"], comp["moe_s"], comp["gap_s"])]
     total, steps = 0.0, set()
     for ev in events:
-        if ev.n_tokens != 1 or ev.step == 0:
+        if not ev.decode or ev.step == 0:
             continue  # prefill and the first token are not decoding time (decode.py)
         steps.add(ev.step)
         loads = ev.misses + max(ev.inflight, ev.prefetch_used)  # in flight at t_exec: prefetches it used
@@ -395,7 +395,7 @@ def run_row(res: RunResult, cfg: RunConfig, repeat: int, platform: str, model: s
 def mean_budget(events: Iterable[Any]) -> float:
     """The mean budget of a run's decoding prediction steps (NaN: it predicted nothing): the budget as given, or what
     an online rule chose step by step."""
-    ms = [ev.m_max for ev in events if ev.n_tokens == 1 and ev.m_max is not None]
+    ms = [ev.m_max for ev in events if ev.decode and ev.m_max is not None]
     return sum(ms) / len(ms) if ms else float("nan")
 
 

@@ -127,7 +127,7 @@ class LayerTimer:
         """Per (layer, component) the ms of every decoding event."""
         out: dict[tuple[int, str], list[float]] = defaultdict(list)
         for ev in events:
-            if ev.n_tokens != 1:
+            if not ev.decode:
                 continue
             key = (ev.step, ev.layer)
             total = self.times.get((*key, "layer"))
@@ -253,7 +253,7 @@ def physical_device_model(harness: Harness, isolated_ms: float) -> dict[str, flo
 
 def per_layer_windows(events: list[LayerEvent]) -> dict[tuple[int, int], float]:
     """W_l per decoding event, keyed (step, l) (:func:`~specprefetch.runtime.core.timeline.window_ms`)."""
-    by = {(ev.step, ev.layer): ev for ev in events if ev.n_tokens == 1}
+    by = {(ev.step, ev.layer): ev for ev in events if ev.decode}
     out = {}
     for (step, layer), ev in by.items():
         nxt = by.get((step, layer + 1))
@@ -266,14 +266,14 @@ def pre_attention_windows(events: list[LayerEvent]) -> list[float]:
     """The window a pre-attention prediction gives layer l+1 (beyond the paper), per decoding event l: from layer l's
     end to layer l+1's router, ``t_exec(l+1) - t_done(l)`` in ms -- layer l+1's attention with its norms and router,
     which a prediction before that attention overlaps (the prediction itself comes out of it)."""
-    by = {(ev.step, ev.layer): ev for ev in events if ev.n_tokens == 1}
+    by = {(ev.step, ev.layer): ev for ev in events if ev.decode}
     return [(nxt.t_exec - ev.t_done) * 1e3 for (step, layer), ev in sorted(by.items())
             if (nxt := by.get((step, layer + 1))) is not None]
 
 
 def compute_profile(events: list[LayerEvent], n_layers: int) -> dict[str, Any]:
     """Mean per-layer durations (s) of a run's events with every expert resident: the simulator's compute model."""
-    evs = [ev for ev in events if ev.n_tokens == 1]
+    evs = [ev for ev in events if ev.decode]
     by = {(ev.step, ev.layer): ev for ev in evs}
     book, pred, post, moe, gap = (defaultdict(list) for _ in range(5))
     head = []
@@ -307,7 +307,7 @@ def compute_profile(events: list[LayerEvent], n_layers: int) -> dict[str, Any]:
 def decoding_transfers(res: RunResult) -> list[Any]:
     """The run's completed, charged transfers of decoding steps (prefetches and demand loads): what its storage
     served while it decoded."""
-    decoding = {ev.step for ev in res.events if ev.n_tokens == 1}
+    decoding = {ev.step for ev in res.events if ev.decode}
     return [tr for tr in res.transfers
             if tr.state == "done" and tr.charged and tr.step in decoding and tr.t_end > tr.t_start > 0]
 
@@ -552,7 +552,7 @@ def _event_rows(win: _Windows, demand_m: tuple[int, ...], t_ref: float, platform
     rows = []
     for ev in win.candidates.events:
         w = win.windows.get((ev.step, ev.layer))
-        if ev.n_tokens != 1 or w is None:
+        if not ev.decode or w is None:
             continue
         for m in demand_m:
             if m in ev.topm_absent:

@@ -103,7 +103,7 @@ def right_candidates(events: Sequence[Any], n_layers: int, top: int) -> list[dic
     first ``M`` prefetch candidates (the absent experts in priority order, as the run selected them at budget
     ``top``) the layer then needed. Non-decreasing in ``M`` by construction: what the ``M``-th prefetch into a
     layer is worth, with the cache as the run had it."""
-    by = {(ev.step, ev.layer): ev for ev in events if ev.n_tokens == 1}
+    by = {(ev.step, ev.layer): ev for ev in events if ev.decode}
     sums = [[0.0] * (top + 1) for _ in range(n_layers)]
     counts = [0] * n_layers
     for (step, layer), ev in by.items():
