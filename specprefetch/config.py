@@ -80,6 +80,10 @@ def device_settings(cfg: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError("invalid config key 'device.lookahead.distances': the lookahead experiment runs "
                               f"SpecPrefetch at d = {ahead['distances']}, but predictors.lookahead does not train "
                               f"specprefetch at d = {missing or sorted(set(ahead['distances']) - {1})}")
+    for st in d["batch"]["storages"]:
+        if st not in d["storages"] and st not in (d["reference_storage"], d["slow_storage"]):
+            raise ConfigError(f"invalid config key 'device.batch.storages': {st!r} is not one of device.storages "
+                              "(each storage decodes a batch at its own profiled window)")
     pre = [m for m, mc in d["model_experiments"].items() if "pre_attention" in mc] + \
         (["every model"] if "pre_attention" in d["experiments"] else [])
     if pre and "pre_attention" not in cfg["predictors"]["methods"]:

@@ -45,7 +45,7 @@ PREDICTING: Sequence[str] = NameView(lambda: [p for p, pol in registry.policies(
 STORAGES: Sequence[str] = NameView(registry.storages, "storage")
 EMULATED: Sequence[str] = NameView(lambda: [s for s, st in registry.storages().items() if st.emulated], "storage")
 METHODS: Sequence[str] = NameView(registry.methods, "predictor method")
-EXPERIMENTS = ("main", "matched", "sweep", "storage", "component", "budget", "lookahead", "pre_attention")
+EXPERIMENTS = ("main", "matched", "sweep", "storage", "component", "budget", "lookahead", "pre_attention", "batch")
 # A variant's runs (device.variants: the same experiment under another emulation or I/O order) are named
 # "<experiment>@<variant>" in runs.csv, so every reader of an experiment sees the default's runs only.
 VARIANT_NAME = r"[a-z][a-z0-9_]*"
@@ -376,7 +376,7 @@ RUN_COLUMNS = [
     "peak_cache_bytes", "capacity_bytes", "decode_s", "record_bytes", "expert_format", "tokens_match",
     "tokens_sha256", "bound_tokens_per_s", "measured_in", "run_order", "layer_m_max", "bound_own_tokens_per_s",
     "block", "emulation", "io_order", "tokens_match_trained", "routing_diff_trained", "routing_sets", "lookahead",
-    "budget_rule", "m_max_mean",
+    "budget_rule", "m_max_mean", "batch",
 ]
 RUN_KEY_COLUMNS = 17  # the first 17 (up to ``source``) every runs CSV must have, measured, simulated or merged
 

@@ -505,3 +505,43 @@ def test_pre_attention_budgets_and_plan() -> None:
     events = [ev(0, 0, 0.0, 0.01, n=5), ev(0, 1, 0.012, 0.02, n=5),  # a prefill: no window
               ev(1, 0, 0.1, 0.103), ev(1, 1, 0.1045, 0.108), ev(1, 2, 0.1095, 0.111)]
     assert pre_attention_windows(events) == pytest.approx([1.5, 1.5])
+
+
+def test_batch_budgets_plan_and_blocks() -> None:
+    """Beyond the paper: the batch experiment's budget for a batch of B is the window rule on the window measured at
+    that batch (the profile's key) when the budget is auto by the window rule, the storage's budget for B = 1 and for
+    a configured budget; each (storage, batch) is a block of its own, named <storage>@b<B>; a row's batch reads back
+    into its signature (1 where the column is absent)."""
+    from specprefetch.config import ConfigError, section_defaults, validate_config
+    from specprefetch.runtime.core.budget import batch_budgets
+    from specprefetch.runtime.measurement.bench import plan_experiments, row_signature, storage_blocks
+
+    s = section_defaults("device", {"batch": {"sizes": [1, 4], "storages": ["nvme_cold", "slow_ufs"]}})
+    prof = {"m_max_batch_per_storage": {"4": {"nvme_cold": 7, "slow_ufs": 9}}}
+    budgets = {"nvme_cold": 3, "slow_ufs": 4}
+    got = batch_budgets(s, prof, budgets)
+    assert got == {1: {"nvme_cold": 3, "slow_ufs": 4}, 4: {"nvme_cold": 7, "slow_ufs": 9}}
+    assert batch_budgets({**s, "m_max": 2}, prof, budgets) == {1: budgets, 4: budgets}
+    with pytest.raises(BudgetError, match="no M_max for a batch of 4 on nvme_cold, slow_ufs"):
+        batch_budgets(s, {}, budgets)
+    plan = plan_experiments(s, budgets, ["main", "batch"], batch_m_max=got)
+    assert {(c.storage, c.batch, c.policy, c.m_max) for c in plan["batch"]} == {
+        (st, b, p, m) for st in ("nvme_cold", "slow_ufs") for b in (1, 4)
+        for p, m in (("off", 0), ("specprefetch", got[b][st]), ("resident", 0))}
+    with pytest.raises(SpecPrefetchError, match="needs its budgets per batch size"):
+        plan_experiments(s, budgets, ["batch"])
+    blocks = {b.name: b for b in storage_blocks(plan)}
+    assert set(blocks) == {"nvme_cold", "nvme_cold@b4", "slow_ufs", "slow_ufs@b4"}
+    assert {c.batch for c in blocks["nvme_cold@b4"].configs} == {4} and blocks["nvme_cold@b4"].batch == 4
+    assert blocks["nvme_cold"].experiments == ("main", "batch")  # batch 1 shares main's runs on the cold disk
+    four = next(c for c in plan["batch"] if c.batch == 4 and c.policy == "specprefetch")
+    assert "batch 4" in four.label and four.key.endswith("|b4")
+    row = {"policy": "specprefetch", "storage": four.storage, "m_max": four.m_max, "compute_opt": True, "batch": "4"}
+    assert row_signature(row) == four.signature
+    assert row_signature({k: v for k, v in row.items() if k != "batch"})[7] == 1
+    from specprefetch.config import REPO_ROOT, load_config
+
+    cfg = load_config(REPO_ROOT / "config" / "config.yaml")
+    cfg["device"]["batch"] = {"sizes": [1, 2], "storages": ["ram_offload"]}
+    with pytest.raises(ConfigError, match="device.batch.storages.*'ram_offload'"):
+        validate_config(cfg)

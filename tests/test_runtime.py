@@ -113,7 +113,12 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     torch.manual_seed(5)
     ids = torch.randint(0, VOCAB, (1, 8))
     ref = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    return {"model": model, "spec": spec, "store": store, "ids": ids, "ref": ref, "name": request.param}
+    # a batch of 3 prompts, and the plain model's batched greedy decode of it (before any test offloads the experts)
+    bids, bmask = _batch_ids(3)
+    bref = model.generate(bids, attention_mask=bmask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                          pad_token_id=0)
+    return {"model": model, "spec": spec, "store": store, "ids": ids, "ref": ref, "name": request.param,
+            "batch": (bids, bmask, bref)}
 
 
 def run_policy(s: dict[str, Any], policy: str, storage: str = "ram", m_max: int = 4, capacity: int = 0,
@@ -861,7 +866,7 @@ def test_blocks_measure_each_configuration_once_per_block() -> None:
         ("nvme_cold#3", ("component",), 4), ("slow_ufs", ("matched", "storage", "budget"), 4),
         ("nvme", ("storage", "budget"), 2), ("ufs", ("storage", "budget"), 2)]
     for b in small:
-        assert ("off", b.storage, 0, True, (), 1, "") in {c.signature for c in b.configs}
+        assert ("off", b.storage, 0, True, (), 1, "", 1) in {c.signature for c in b.configs}
         for exp in b.experiments:  # every configuration of an experiment is in the one block that measures it
             assert {c.signature for c in plan[exp] if c.storage == b.storage} <= {c.signature for c in b.configs}
     assert {(e, b.storage) for b in small for e in b.experiments} == {
@@ -1575,9 +1580,7 @@ def test_batch_decoding_gives_the_plain_batched_tokens(setup: dict[str, Any], po
     ReadyRecall counts every token, and the priorities are the paper's batch priorities (the summed per-token
     distributions)."""
     model, spec, store = setup["model"], setup["spec"], setup["store"]
-    ids, mask = _batch_ids(3)
-    ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                         pad_token_id=0)
+    ids, mask, ref = setup["batch"]
     reader = ExpertReader(store, make_profile("ram", _device(emulation="bandwidth"), store.layout.payload_bytes))
     opts = RuntimeOptions(policy=policy, m_max=4, capacity=4 * spec.top_k + 4, sync_prefetch=True, io_workers=1,
                           record_routing=True, batch=3)
@@ -1638,3 +1641,69 @@ def test_collate_left_pads_text_prompts_only() -> None:
     img = Prompt("c", {"input_ids": torch.tensor([[1]]), "pixel_values": torch.zeros(1, 3)})
     with pytest.raises(SpecPrefetchError, match="prompt 'c' cannot join a batch.*pixel_values"):
         collate([a, img], pad_id=0)
+
+
+def test_batch_experiment_profiles_its_window_and_benchmarks_each_batch(tmp_path: Path) -> None:
+    """The batch experiment's library path on a tiny model: profile-window measures the window of a batch of 2 and
+    its budget per storage; the benchmark decodes batch 1 (the benchmark's prompt) and batch 2 (the pool's first two
+    prompts, left-padded) in blocks of their own, OFF / SpecPrefetch at the batch's budget / all-resident, each run with
+    the plain model's batched tokens, throughput over every sequence and an overlap bound; the simulator's validation
+    leaves the batch runs out."""
+    import csv
+
+    from specprefetch.config import section_defaults
+    from specprefetch.models.routing import discover_routing
+    from specprefetch.runtime.core.budget import batch_budgets
+    from specprefetch.runtime.core.priority import provider_factories
+    from specprefetch.runtime.measurement.bench import bench_runtime
+    from specprefetch.runtime.measurement.decode import Prompt
+    from specprefetch.runtime.measurement.session import Harness
+    from specprefetch.runtime.measurement.window import profile_window
+    from specprefetch.runtime.simulation.simrun import validate_simulator
+
+    model = tiny_deepseek()
+    spec = discover_routing(model)
+    store = ExpertStore(build_expert_store(model, tmp_path / "store", spec))
+    s = section_defaults("device", {"n_prompts": 1, "max_new_tokens": 4, "repeats": 1, "io_workers": 2,
+                                 "storages": ["nvme_cold"], "experiments": ["batch"],
+                                 "batch": {"sizes": [1, 2], "storages": ["nvme_cold"]},
+                                 "window": {"n_prompts": 1, "demand_m": [2], "transfer_samples": 4},
+                                 "cache": {"capacity_experts": 12}})
+    g = torch.Generator().manual_seed(3)
+    pool = [Prompt(f"p{i}", {"input_ids": torch.randint(1, VOCAB, (1, n), generator=g),
+                             "attention_mask": torch.ones(1, n).long()}) for i, n in enumerate((6, 4))]
+    providers = provider_factories({}, spec, "cpu")
+    adapter = random_adapter(spec)
+    providers["specprefetch"] = lambda: PredictorPriority(adapter)
+    h = Harness(model, spec, store, s, pool[:1], providers, batch_pool=pool)
+    try:
+        prof = profile_window(h, "tiny", "test-cpu", tmp_path / "window")
+        assert set(prof["window_ms_median_batch"]) == {"2"} and prof["window_ms_median_batch"]["2"] > 0
+        assert set(prof["m_max_batch_per_storage"]["2"]) == set(prof["m_max_per_storage"])
+        budgets = batch_budgets(s, prof, prof["m_max_per_storage"])
+        assert budgets[1]["nvme_cold"] == prof["m_max_per_storage"]["nvme_cold"]
+        assert budgets[2]["nvme_cold"] == prof["m_max_batch_per_storage"]["2"]["nvme_cold"]
+        plain2 = h.plain_tokens(h.batch_prompts(2))
+        rows = bench_runtime(h, prof, "tiny", "test-cpu", tmp_path / "runs.csv", routing_out=tmp_path / "r.st")
+    finally:
+        h.close()
+    with open(tmp_path / "runs.csv") as f:
+        got = list(csv.DictReader(f))
+    assert len(got) == len(rows) == 6
+    assert {(r["batch"], r["policy"], r["block"]) for r in got} == {
+        (str(b), p, "nvme_cold" + ("@b2" if b == 2 else "")) for b in (1, 2) for p in ("off", "specprefetch", "resident")}
+    for r in got:
+        b = int(r["batch"])
+        assert r["tokens_match"] == "true" and int(r["n_tokens"]) == b * (s["max_new_tokens"] - 1)
+        assert float(r["tokens_per_s"]) > 0 and 0 <= float(r["ready_recall"]) <= 1
+        assert float(r["bound_tokens_per_s"]) > 0
+        assert (r["tokens_match_trained"] != "") == (b == 1)  # the trained reference decodes one prompt at a time
+        if r["policy"] == "specprefetch":
+            assert int(r["m_max"]) == budgets[b]["nvme_cold"]
+    assert len(plain2) == 2 and all(len(t) == s["max_new_tokens"] for t in plain2)
+    from specprefetch.contracts import ROUTING_FORMAT, load_tensor_tree
+
+    record = load_tensor_tree(tmp_path / "r.st", ROUTING_FORMAT, "routing record")
+    val = validate_simulator(record, prof, s)
+    assert val and {v["storage"] for v in val} == {"nvme_cold"}
+    assert len({(v["policy"], v["inputs"], v["metric"]) for v in val if v["metric"] != "speedup"}) == 3 * 2 * 7

@@ -65,10 +65,14 @@ def _setup(args: argparse.Namespace, need_prompts: bool = True) -> dict[str, Any
     store = ExpertStore(args.store)
     if store.manifest.get("model") not in ("", None, args.model):
         raise SpecPrefetchError(f"{args.store}: expert store of model {store.manifest['model']!r}, not {args.model!r}")
-    prompts = []
+    prompts: list[Any] = []
     if need_prompts:
-        wdir = args.workload_dir
-        prompts = prompts_from_workload(bundle, wdir, int(settings["n_prompts"]), int(settings["max_prompt_tokens"]))
+        from specprefetch.runtime.core.settings import experiments_for
+
+        n = int(settings["n_prompts"])
+        if "batch" in experiments_for(settings, args.model):  # a batch of B decodes the workload's first B prompts
+            n = max(n, *(int(b) for b in settings["batch"]["sizes"]))
+        prompts = prompts_from_workload(bundle, args.workload_dir, n, int(settings["max_prompt_tokens"]))
     from specprefetch.runtime.core.priority import provider_factories
 
     providers = provider_factories(parse_predictor_args(args.predictor), bundle.routing, accel, args.model)
@@ -80,8 +84,9 @@ def _harness(env: dict[str, Any]) -> Any:
     from specprefetch.runtime.measurement.session import Harness
 
     b = env["bundle"]
-    return Harness(b.model, b.routing, env["store"], env["settings"], env["prompts"], env["providers"], env["accel"],
-                   tokenizer=b.tokenizer)
+    pool = env["prompts"]
+    return Harness(b.model, b.routing, env["store"], env["settings"], pool[:int(env["settings"]["n_prompts"])],
+                   env["providers"], env["accel"], tokenizer=b.tokenizer, batch_pool=pool)
 
 
 def _fragment(cfg: dict[str, Any], model: str) -> dict[str, Any]:

@@ -250,6 +250,40 @@ def pre_attention_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any
     return {st: int(per[st]) for st in budgets}
 
 
+BATCH_KEY = "m_max_batch_per_storage"  # profile.json: {B: {storage: M_max}} for the batch sizes beyond 1
+BATCH_WINDOW_KEY = "window_ms_median_batch"  # profile.json: {B: the median window decoding a batch of B}
+
+
+def batch_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | None,
+                  budgets: Mapping[str, int]) -> dict[int, dict[str, int]]:
+    """M_max per batch size and storage of the batch experiment (``device.batch``; beyond the paper): for one sequence
+    the storage's budget ``budgets[storage]``; for a batch of B the window rule on the window measured decoding that
+    batch (``profile_window``: a batch step computes the union of B tokens' experts, so its window is longer), when
+    the budget is auto by the window rule; else ``budgets[storage]`` at every size (a configured integer, or the
+    simulated rule's: one budget per storage)."""
+    bcfg = settings["batch"]
+    sizes, storages = [int(b) for b in bcfg["sizes"]], list(bcfg["storages"])
+    missing = [st for st in storages if st not in budgets]
+    if missing:
+        raise BudgetError(f"device.batch.storages: no budget for {', '.join(missing)}")
+    one = {st: int(budgets[st]) for st in storages}
+    if profile is None or not is_auto(settings["m_max"]) or budget_rule(settings) != "window":
+        return {b: dict(one) for b in sizes}
+    per = profile.get(BATCH_KEY) or {}
+    out = {}
+    for b in sizes:
+        if b == 1:
+            out[b] = dict(one)
+            continue
+        got = per.get(str(b)) or {}
+        lack = [st for st in storages if st not in got]
+        if lack:
+            raise BudgetError(f"window profile has no M_max for a batch of {b} on {', '.join(lack)}: rerun "
+                              "profile-window with the batch experiment configured")
+        out[b] = {st: int(got[st]) for st in storages}
+    return out
+
+
 # the EWMA's gain: RFC 6298's for the smoothed round-trip time (a standard estimator's, not fitted here)
 EWMA_ALPHA = 0.125
 

@@ -17,7 +17,13 @@ Experiments (the ``experiment`` column of ``runs.csv``), all on the same prompts
   predictor trained at distance d, ``predictors.lookahead``) for every ``d`` of ``device.lookahead.distances``, on
   each of ``device.lookahead.storages``, at the window rule's budget on the window summed over d layers
   (:func:`~specprefetch.runtime.core.budget.lookahead_budgets`), and as its control SpecPrefetch one layer ahead
-  at each of those budgets.
+  at each of those budgets;
+- ``batch`` (beyond the paper): OFF, SpecPrefetch and all-resident decoding a batch of ``B`` prompts (the first ``B``
+  of the workload, left-padded: :func:`~specprefetch.runtime.measurement.decode.collate`) for every ``B`` of
+  ``device.batch.sizes`` on each of ``device.batch.storages`` (column ``batch``), SpecPrefetch with the paper's batch
+  priorities at the window rule's budget on the window measured at that batch size
+  (:func:`~specprefetch.runtime.core.budget.batch_budgets`); each (storage, batch) is a block of its own, so its runs
+  share one prefill and its pairs one host.
 
 The blocks of :func:`storage_blocks` measure the plan: a block holds whole experiments of one storage and measures
 every distinct configuration they run on it once per repeat, before repeat ``r+1`` starts: in lockstep, token by
@@ -63,6 +69,7 @@ from specprefetch.io import SpecPrefetchError, atomic_path, provenance
 from specprefetch.metrics import bootstrap_ci
 from specprefetch.runtime.core.budget import (
     EwmaBudget,
+    batch_budgets,
     ewma_budgets,
     layer_budgets,
     lookahead_budgets,
@@ -78,9 +85,9 @@ log = logging.getLogger(__name__)
 
 
 
-# (policy, storage, budget, compute_opt, per-layer budgets or (), look-ahead, online budget rule or ""): what the
-# runtime is given
-Signature = tuple[str, str, int, bool, tuple[int, ...], int, str]
+# (policy, storage, budget, compute_opt, per-layer budgets or (), look-ahead, online budget rule or "", batch): what
+# the runtime is given
+Signature = tuple[str, str, int, bool, tuple[int, ...], int, str, int]
 # budget rules beyond the paper a run can be named after (RunConfig.rule, runs.csv's budget_rule; "": the paper's
 # window rule, per storage or per layer); the runtime applies ONLINE_RULES itself, step by step
 EXTRA_RULES = registry.EXTRA_BUDGET_RULES
@@ -98,18 +105,22 @@ class RunConfig:
     lookahead: int = 1  # layer l prefetches into layer l + lookahead (the paper: 1)
     rule: str = ""      # the budget rule beyond the paper that chose the budget (EXTRA_RULES; an online one's m_max is
     #                     its seed's budget); "": the paper's window rule (or a configured budget)
+    batch: int = 1      # sequences decoded together (the paper: 1)
 
     def __post_init__(self) -> None:
         if self.rule and self.rule not in EXTRA_RULES:
             raise SpecPrefetchError(f"unknown budget rule {self.rule!r}; known: {', '.join(EXTRA_RULES)}")
+        if self.batch < 1:
+            raise SpecPrefetchError(f"run {self.experiment}/{self.policy}: batch must be >= 1, got {self.batch}")
 
     @property
     def key(self) -> str:
         per = f"|L{layer_budgets_label(self.layers)}" if self.layers else ""
         ahead = f"|d{self.ahead}" if self.ahead != 1 else ""
         online = f"|{self.online}" if self.online else ""
+        batch = f"|b{self.batch}" if self.batch != 1 else ""
         return (f"{self.experiment}|{self.policy}|{self.storage}|{self.m_max}|{int(self.compute_opt)}{per}{ahead}"
-                f"{online}")
+                f"{online}{batch}")
 
     @property
     def label(self) -> str:
@@ -119,7 +130,8 @@ class RunConfig:
         if self.budget_rule:
             per += f" ({self.budget_rule.upper()})"
         return (self.policy + (f" M={self.budget}" if self.budget else "") + per
-                + (f" d={self.ahead}" if self.ahead != 1 else "") + ("" if self.compute_opt else " (no compute opt)"))
+                + (f" d={self.ahead}" if self.ahead != 1 else "") + ("" if self.compute_opt else " (no compute opt)")
+                + (f" batch {self.batch}" if self.batch != 1 else ""))
 
     @property
     def ahead(self) -> int:
@@ -150,7 +162,8 @@ class RunConfig:
     @property
     def signature(self) -> Signature:
         """What the runtime is given, whatever the experiment."""
-        return (self.policy, self.storage, self.budget, self.compute_opt, self.layers, self.ahead, self.online)
+        return (self.policy, self.storage, self.budget, self.compute_opt, self.layers, self.ahead, self.online,
+                int(self.batch))
 
 
 def layer_budgets_label(budgets: tuple[int, ...]) -> str:
@@ -170,6 +183,12 @@ def parse_layer_budgets(label: Any, m_max: int) -> tuple[int, ...]:
     return (int(m_max), *(int(m) for m in text.split("/"))) if text else ()
 
 
+def run_batch(row: Any) -> int:
+    """A runs.csv row's batch size (1 where the column is empty or absent: the paper's one sequence)."""
+    text = _text(row.get("batch") if hasattr(row, "get") else None)
+    return int(float(text)) if text else 1
+
+
 def run_budget_rule(row: Any) -> str:
     """A runs.csv row's budget rule beyond the paper (``budget_rule``; "" where empty or absent: the paper's)."""
     return _text(row.get("budget_rule") if hasattr(row, "get") else None)
@@ -180,7 +199,7 @@ def row_signature(row: Any) -> Signature:
     m_max, rule = int(row["m_max"]), run_budget_rule(row)
     return (str(row["policy"]), str(row["storage"]), m_max, bool(row["compute_opt"]),
             parse_layer_budgets(row.get("layer_m_max"), m_max), run_lookahead(row),
-            rule if rule in ONLINE_RULES else "")
+            rule if rule in ONLINE_RULES else "", run_batch(row))
 
 
 def _text(v: Any) -> str:
@@ -193,14 +212,16 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
                      ahead_m_max: dict[str, dict[int, int]] | None = None,
                      dp_m_max: dict[str, tuple[int, ...]] | None = None,
                      sim_m_max: dict[str, int] | None = None,
-                     pre_m_max: dict[str, int] | None = None) -> dict[str, list[RunConfig]]:
+                     pre_m_max: dict[str, int] | None = None,
+                     batch_m_max: dict[int, dict[str, int]] | None = None) -> dict[str, list[RunConfig]]:
     """The configurations of every experiment, each storage at its own budget ``budgets[storage]`` (an integer:
     the same budget everywhere) and, for ``budget``, its per-layer budgets ``layer_m_max[storage]``; the sweep
     measures ``device.sweep_m_max``, the storage's budget and every rule's (``rule_m_max[storage]``); ``lookahead``
     each distance at ``ahead_m_max[storage][d]``; ``budget`` also, with ``device.extra_rules``, the DP rule's per-layer
     budgets ``dp_m_max[storage]``, the online EWMA rule and the simulated rule's budget ``sim_m_max[storage]``;
     ``pre_attention`` the pre-attention policy at its own budget ``pre_m_max[storage]`` (its window: the attention)
-    and at SpecPrefetch's, beside SpecPrefetch and OFF, on the reference and the slow storage
+    and at SpecPrefetch's, beside SpecPrefetch and OFF, on the reference and the slow storage; ``batch`` OFF,
+    SpecPrefetch at ``batch_m_max[B][storage]`` and all-resident for every batch size ``B`` of ``device.batch``
     (:mod:`~specprefetch.runtime.core.budget` decides them all)."""
     ref, slow = settings["reference_storage"], settings["slow_storage"]
     m_max = budgets if isinstance(budgets, dict) else defaultdict(lambda: int(budgets))
@@ -259,6 +280,12 @@ def plan_experiments(settings: dict[str, Any], budgets: dict[str, int] | int, ex
                 RunConfig(exp, "off", st, 0), RunConfig(exp, "specprefetch", st, m_max[st]),
                 RunConfig(exp, "pre_attention", st, pre_m_max[st]),
                 RunConfig(exp, "pre_attention", st, m_max[st]))}.values())
+        elif exp == "batch":
+            if not batch_m_max:
+                raise SpecPrefetchError("experiment 'batch' needs its budgets per batch size (the window profile)")
+            bcfg = settings["batch"]
+            out[exp] = [RunConfig(exp, p, st, m, batch=int(b)) for st in bcfg["storages"] for b in bcfg["sizes"]
+                        for p, m in (("off", 0), ("specprefetch", batch_m_max[int(b)][st]), ("resident", 0))]
         else:
             raise SpecPrefetchError(f"unknown experiment {exp!r}")
     return out
@@ -280,6 +307,7 @@ class Block:
     storage: str
     configs: tuple[RunConfig, ...]
     experiments: tuple[str, ...]
+    batch: int = 1  # the sequences every configuration of the block decodes together (they share one prefill)
 
 
 def storage_blocks(plan: dict[str, list[RunConfig]], max_runs: int | None = None) -> list[Block]:
@@ -287,16 +315,19 @@ def storage_blocks(plan: dict[str, list[RunConfig]], max_runs: int | None = None
     its experiments run on it, each once per block, as the first experiment of the block (in plan order) that lists
     it.
 
+    A batch size other than 1 (the ``batch`` experiment) is a storage of its own here: its blocks are named
+    ``<storage>@b<B>`` (a block's runs decode one batch, from one shared prefill).
+
     Without ``max_runs`` a storage is one block (named after it). With it, a storage's experiments are packed whole,
     in plan order, into the first of its blocks that they keep at ``max_runs`` distinct configurations or fewer (an
     experiment the block already covers joins it for free; one larger than ``max_runs`` gets a block of its own), so
     each block runs its own OFF and an experiment's pairs always come from one block. A storage's later blocks are
     named ``<storage>#2``, ``<storage>#3``, ..."""
-    groups: dict[str, list[tuple[dict[Signature, RunConfig], list[str]]]] = {}
+    groups: dict[tuple[str, int], list[tuple[dict[Signature, RunConfig], list[str]]]] = {}
     for name, configs in plan.items():
-        by_storage: dict[str, dict[Signature, RunConfig]] = {}
+        by_storage: dict[tuple[str, int], dict[Signature, RunConfig]] = {}
         for c in configs:
-            by_storage.setdefault(c.storage, {}).setdefault(c.signature, c)
+            by_storage.setdefault((c.storage, c.batch), {}).setdefault(c.signature, c)
         for st, exp in by_storage.items():
             blocks = groups.setdefault(st, [])
             fit = next((b for b in blocks if max_runs is None or exp.keys() <= b[0].keys()
@@ -307,8 +338,13 @@ def storage_blocks(plan: dict[str, list[RunConfig]], max_runs: int | None = None
             for sig, c in exp.items():
                 fit[0].setdefault(sig, c)
             fit[1].append(name)
-    return [Block(st if i == 0 else f"{st}#{i + 1}", st, tuple(b.values()), tuple(exps))
-            for st, blocks in groups.items() for i, (b, exps) in enumerate(blocks)]
+    return [Block(_block_name(st, batch, i), st, tuple(b.values()), tuple(exps), batch)
+            for (st, batch), blocks in groups.items() for i, (b, exps) in enumerate(blocks)]
+
+
+def _block_name(storage: str, batch: int, i: int) -> str:
+    """``<storage>``, ``<storage>@b<B>`` for a batch, ``#<n>`` for a storage's later blocks."""
+    return storage + (f"@b{batch}" if batch != 1 else "") + (f"#{i + 1}" if i else "")
 
 
 def tokens_sha256(tokens: list[list[int]]) -> str:
@@ -326,23 +362,24 @@ def overlap_bound(events: list[Any], comp: dict[str, Any] | None, transfer_ms: f
         return float("nan")
     t = float(transfer_ms) * 1e-3
     per_layer = [b + m + g for b, m, g in zip(comp["book_s"], comp["moe_s"], comp["gap_s"])]
-    total, steps = 0.0, set()
+    total, steps = 0.0, {}
     for ev in events:
         if not ev.decode or ev.step == 0:
             continue  # prefill and the first token are not decoding time (decode.py)
-        steps.add(ev.step)
+        steps[ev.step] = ev.n_tokens  # a step decodes one token of each sequence of the batch
         loads = ev.misses + max(ev.inflight, ev.prefetch_used)  # in flight at t_exec: prefetches it used
         total += max(per_layer[ev.layer] if ev.layer < len(per_layer) else 0.0, loads * t)
     total += len(steps) * float(comp.get("head_s", 0.0))
-    return len(steps) / total if total > 0 else float("nan")
+    return sum(steps.values()) / total if total > 0 else float("nan")
 
 
 def set_bounds(rows: list[dict[str, Any]], events_of: dict[tuple[str, int, Signature], list[Any]],
                profile: dict[str, Any], n_layers: int,
                timings_of: dict[tuple[str, int, Signature], dict[str, Any]] | None = None) -> None:
     """Fill ``bound_tokens_per_s`` of every row (:func:`overlap_bound`). The compute of repeat ``r`` is the
-    all-resident run of the same repeat (measured in the same block, so the bound sees the host as the run did);
-    without one, and for ``compute_opt`` off, the window profile's compute profile. Per-expert transfer time: the
+    all-resident run of the same repeat and batch size (measured in the same block, so the bound sees the host as the
+    run did); without one, and for ``compute_opt`` off, the window profile's compute profile (one sequence's: a batch
+    without its all-resident run has no bound). Per-expert transfer time: the
     smallest of the window profile's for the storage (isolated and in the runtime) and, with ``timings_of``
     (:func:`run_timing` of each run), the run's own service time (a run with few transfers in flight may be served
     faster than the profile's run at M = K; the bound must not be beaten). With ``timings_of`` also
@@ -351,7 +388,7 @@ def set_bounds(rows: list[dict[str, Any]], events_of: dict[tuple[str, int, Signa
     the transfers it left exposed."""
     from specprefetch.runtime.measurement.window import compute_profile
 
-    resident = {r: compute_profile(evs, n_layers) for (exp, r, sig), evs in events_of.items()
+    resident = {(r, sig[7]): compute_profile(evs, n_layers) for (exp, r, sig), evs in events_of.items()
                 if sig[0] == "resident" and sig[3]}
     t_used = profile.get("transfer_ms_used") or {}
     for row in rows:
@@ -359,8 +396,9 @@ def set_bounds(rows: list[dict[str, Any]], events_of: dict[tuple[str, int, Signa
         evs = events_of.get((row["measured_in"], int(row["repeat"]), sig))
         if evs is None:
             continue
-        comp = resident.get(int(row["repeat"])) if row["compute_opt"] else None
-        comp = comp or profile.get("compute", {}).get("opt" if row["compute_opt"] else "loop")
+        comp = resident.get((int(row["repeat"]), sig[7])) if row["compute_opt"] else None
+        if sig[7] == 1:  # the window profile's compute is one sequence's
+            comp = comp or profile.get("compute", {}).get("opt" if row["compute_opt"] else "loop")
         own = (timings_of or {}).get((row["measured_in"], int(row["repeat"]), sig))
         times = [t for t in (t_used.get(row["storage"]),
                              profile.get("transfer_ms", {}).get(row["storage"], {}).get("transfer_ms"),
@@ -388,7 +426,7 @@ def run_row(res: RunResult, cfg: RunConfig, repeat: int, platform: str, model: s
         "expert_format": layout.quant if layout.quant != "none" else str(layout.dtype).removeprefix("torch."),
         "tokens_match": tokens_match, "tokens_sha256": tokens_sha256(res.tokens()), "bound_tokens_per_s": bound,
         "measured_in": cfg.experiment, "layer_m_max": layer_budgets_label(cfg.layers), "lookahead": cfg.ahead,
-        "budget_rule": cfg.budget_rule, "m_max_mean": mean_budget(res.events),
+        "budget_rule": cfg.budget_rule, "m_max_mean": mean_budget(res.events), "batch": cfg.batch,
     }
 
 
@@ -477,13 +515,18 @@ def measure_block(harness: Harness, configs: dict[int, RunConfig], lockstep: boo
                   online: dict[str, EwmaBudget] | None = None) -> dict[int, RunResult]:
     """The runs of one (experiment, repeat) block, by position: one after another in the block's order, or, with
     ``lockstep``, all at once, token by token in a random order every token (:meth:`Harness.run_lockstep`).
-    ``online``: per storage, the seeded online rule of the runs that use one (:func:`ewma_budgets`)."""
+    ``online``: per storage, the seeded online rule of the runs that use one (:func:`ewma_budgets`). The block's
+    configurations decode one batch size, its prompts :meth:`Harness.batch_prompts`."""
+    batches = {c.batch for c in configs.values()}
+    if len(batches) > 1:
+        raise SpecPrefetchError(f"a block decodes one batch size, not {sorted(batches)}")
+    prompts = harness.batch_prompts(batches.pop()) if batches else None
     kwargs = {pos: {"policy": c.policy, "storage": c.storage, "m_max": c.m_max, "compute_opt": c.compute_opt,
                     "record": True, "layer_m_max": c.layers, "lookahead": c.ahead,
                     "ewma": _online_of(c, online)} for pos, c in configs.items()}
     if lockstep and kwargs:
-        return dict(zip(kwargs, harness.run_lockstep(list(kwargs.values()), seed=seed)))
-    return {pos: harness.run(**kw) for pos, kw in kwargs.items()}
+        return dict(zip(kwargs, harness.run_lockstep(list(kwargs.values()), seed=seed, prompts=prompts)))
+    return {pos: harness.run(**kw, prompts=prompts) for pos, kw in kwargs.items()}
 
 
 def _online_of(cfg: RunConfig, online: dict[str, EwmaBudget] | None) -> EwmaBudget | None:
@@ -545,9 +588,10 @@ def _plan_blocks(settings: dict[str, Any], profile: dict[str, Any],
     pre_m = (pre_attention_budgets(settings, profile, {st: m_max[st] for st in (settings["reference_storage"],
                                                                              settings["slow_storage"])})
              if "pre_attention" in exps else None)
+    batch_m = batch_budgets(settings, profile, m_max) if "batch" in exps else None
     plan = plan_experiments(settings, m_max, exps, layer_budgets(settings, profile, m_max),
                             rule_budgets(settings, profile), ahead_m, layer_budgets(settings, profile, m_max, "dp"),
-                            sim_m, pre_m)
+                            sim_m, pre_m, batch_m)
     blocks = storage_blocks(plan, settings["max_block_runs"])
     repeats = int(settings["repeats"])
     max_repeats = int(settings["max_repeats"] or repeats)
@@ -564,7 +608,7 @@ def _warm_up(harness: Harness) -> list[list[int]]:
     """Warm up (allocator, lazy module init, the store's page table; not recorded); the plain model's tokens."""
     harness.run("resident", "ram", max_new_tokens=4, prompts=harness.prompts[:1])
     harness.run("off", harness.settings["reference_storage"], max_new_tokens=4, prompts=harness.prompts[:1])
-    plain = [g.new_ids for g in harness.plain_generations()]
+    plain = harness.plain_tokens()
     log.info("plain model: %d prompts x %d new tokens (sha256 %s)", len(plain), len(plain[0]) if plain else 0,
              tokens_sha256(plain)[:12])
     return plain
@@ -581,6 +625,7 @@ class _Recorder:
     def __init__(self, harness: Harness, plain: list[list[int]], model: str, platform: str, n_runs: int,
                  trained: list[tuple[list[int], list[torch.Tensor]]] | None = None) -> None:
         self.harness, self.plain, self.model, self.platform = harness, plain, model, platform
+        self.plain_batched: dict[int, list[list[int]]] = {1: plain}
         self.trained = trained
         self.rows: dict[RunKey, dict[str, Any]] = {}
         self.events_of: dict[RunKey, list[Any]] = {}
@@ -588,15 +633,24 @@ class _Recorder:
         self.routing: dict[str, Any] = {}
         self.done, self.n_runs = 0, n_runs
 
+    def plain_of(self, batch: int) -> list[list[int]]:
+        """The plain model's greedy tokens of the prompts a run of ``batch`` decodes (a batch: its own batched
+        ``generate()``, computed once)."""
+        if batch not in self.plain_batched:
+            self.plain_batched[batch] = self.harness.plain_tokens(self.harness.batch_prompts(batch))
+        return self.plain_batched[batch]
+
     def add(self, block: str, r: int, pos: int, cfg: RunConfig, res: RunResult) -> None:
         """Record one run (an error if it decoded other tokens than the plain model)."""
         self.done += 1
-        match = res.tokens() == self.plain
+        match = res.tokens() == self.plain_of(cfg.batch)
         if not match:
             raise SpecPrefetchError(f"{self.model}: run {cfg.key} repeat {r} decoded other tokens than the plain "
                                     "model's greedy generate(); the offloaded runtime must not change outputs")
+        # the trained model's reference decodes the benchmark's prompts one by one: batch 1 only
+        trained = against_trained(res, self.trained) if cfg.batch == 1 else {}
         row = {**run_row(res, cfg, r, self.platform, self.model, self.harness.store.layout, match, float("nan")),
-               "run_order": pos, "block": block, **against_trained(res, self.trained)}
+               "run_order": pos, "block": block, **trained}
         self.rows[(block, r, cfg.signature)] = row
         self.events_of[(cfg.experiment, r, cfg.signature)] = res.events
         self.timings_of[(cfg.experiment, r, cfg.signature)] = timing = run_timing(res, self.harness.store.n_layers)
@@ -659,11 +713,11 @@ def _measure_rounds(harness: Harness, blocks: list[Block], rec: _Recorder, seed:
 def _experiment_rows(plan: dict[str, list[RunConfig]], blocks: list[Block], rec: _Recorder,
                      n_repeats: dict[str, int]) -> list[dict[str, Any]]:
     """runs.csv's rows: every experiment's configurations, each repeat its block measured, from that block's run."""
-    block_of = {(exp, b.storage): b.name for b in blocks for exp in b.experiments}
-    return [{**rec.rows[(block_of[(exp, c.storage)], r, c.signature)], "experiment": exp,
+    block_of = {(exp, b.storage, b.batch): b.name for b in blocks for exp in b.experiments}
+    return [{**rec.rows[(block_of[(exp, c.storage, c.batch)], r, c.signature)], "experiment": exp,
              "budget_rule": c.budget_rule}
             for exp, configs in plan.items() for r in range(max(n_repeats.values(), default=0)) for c in configs
-            if r < n_repeats[block_of[(exp, c.storage)]]]
+            if r < n_repeats[block_of[(exp, c.storage, c.batch)]]]
 
 
 def write_runs_csv(path: str | Path, rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:

@@ -101,7 +101,7 @@ class _TokenClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def _pad_id(model: Any, tokenizer: Any = None) -> int | None:
+def pad_id_of(model: Any, tokenizer: Any = None) -> int | None:
     for obj in (tokenizer, getattr(model, "generation_config", None), getattr(model, "config", None)):
         for name in ("pad_token_id", "eos_token_id"):
             v = getattr(obj, name, None)
@@ -130,7 +130,7 @@ class Prefilled:
 @torch.no_grad()
 def prefill(model: Any, prompt: Prompt, tokenizer: Any = None) -> Prefilled:
     """The prompt's prefill: one forward over the prompt and the first greedy token."""
-    out = model.generate(**prompt.kwargs, max_new_tokens=1, min_new_tokens=1, pad_token_id=_pad_id(model, tokenizer),
+    out = model.generate(**prompt.kwargs, max_new_tokens=1, min_new_tokens=1, pad_token_id=pad_id_of(model, tokenizer),
                          return_dict_in_generate=True, **_GREEDY)
     return Prefilled(prompt.id, prompt.n_tokens, out.sequences, out.cache, _extended_mask(prompt, out.sequences))
 
@@ -169,7 +169,7 @@ def greedy_generate(model: Any, prompt: Prompt, max_new_tokens: int, fixed_lengt
                               clock.times[:max_new_tokens])
     out = model.generate(
         **kwargs, max_new_tokens=n_new, min_new_tokens=n_new if fixed_length else None,
-        pad_token_id=_pad_id(model, tokenizer), stopping_criteria=StoppingCriteriaList([clock]), **_GREEDY,
+        pad_token_id=pad_id_of(model, tokenizer), stopping_criteria=StoppingCriteriaList([clock]), **_GREEDY,
     )
     seq = out if isinstance(out, Tensor) else out.sequences
     new = seq[:, n_in:].tolist() if seq.shape[1] > n_in else seq.tolist()

@@ -33,7 +33,15 @@ from specprefetch.runtime.core.priority import PriorityProvider, builtin_provide
 from specprefetch.runtime.core.storage import ExpertReader, StorageProfile, make_profile, physical_read_ms
 from specprefetch.runtime.core.store import ExpertStore, find_moe_blocks
 from specprefetch.runtime.core.timeline import LayerEvent, RunStats
-from specprefetch.runtime.measurement.decode import Generation, Prefilled, Prompt, greedy_generate, prefill
+from specprefetch.runtime.measurement.decode import (
+    Generation,
+    Prefilled,
+    Prompt,
+    pad_id_of,
+    collate,
+    greedy_generate,
+    prefill,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +72,8 @@ class RunResult:
         return self.n_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
     def tokens(self) -> list[list[int]]:
-        return [g.new_ids for g in self.generations]
+        """The new tokens of every sequence decoded (a batch's sequences in order)."""
+        return [row for g in self.generations for row in g.sequences]
 
 
 class Harness:
@@ -72,7 +81,8 @@ class Harness:
 
     def __init__(self, model: nn.Module, spec: Any, store: ExpertStore, settings: dict[str, Any],
                  prompts: list[Prompt], providers: dict[str, Callable[[], PriorityProvider]],
-                 device: str = "cpu", capacity: int | None = None, tokenizer: Any = None) -> None:
+                 device: str = "cpu", capacity: int | None = None, tokenizer: Any = None,
+                 batch_pool: list[Prompt] | None = None) -> None:
         self.model = model
         self.spec = spec
         self.store = store
@@ -87,6 +97,9 @@ class Harness:
         if self.device.type == "cuda":
             model.to(self.device)
         self.prompts = [p.to(self.device) for p in prompts]
+        # the prompts a batch is made of (the first B; default: the benchmark's own)
+        self.batch_pool = [p.to(self.device) for p in batch_pool] if batch_pool is not None else self.prompts
+        self._batches: dict[int, list[Prompt]] = {}
         from specprefetch.runtime.core.settings import cache_capacity
 
         self.capacity = capacity or cache_capacity(settings, store.total_experts, int(spec.top_k))
@@ -132,6 +145,25 @@ class Harness:
         if key not in self.providers:
             raise SpecPrefetchError(f"policy {policy!r} needs a {key} predictor, none was given")
         return self.providers[key]()
+
+    def batch_prompts(self, batch: int) -> list[Prompt]:
+        """What a run of ``batch`` sequences decodes: the benchmark's prompts for 1, else the first ``batch`` prompts of
+        the pool as one left-padded batch (:func:`~specprefetch.runtime.measurement.decode.collate`)."""
+        if batch == 1:
+            return self.prompts
+        if batch not in self._batches:
+            if len(self.batch_pool) < batch:
+                raise SpecPrefetchError(f"a batch of {batch} needs {batch} prompts; the device workload gave "
+                                        f"{len(self.batch_pool)}")
+            pad = pad_id_of(self.model, self.tokenizer)
+            if pad is None:
+                raise SpecPrefetchError("a batch needs a pad token id: the model and tokenizer name none")
+            self._batches[batch] = [collate(self.batch_pool[:batch], pad)]
+        return self._batches[batch]
+
+    def plain_tokens(self, prompts: list[Prompt] | None = None) -> list[list[int]]:
+        """The tokens of :meth:`plain_generations` as a run's :meth:`RunResult.tokens` lists them."""
+        return [row for g in self.plain_generations(prompts=prompts) for row in g.sequences]
 
     def plain_generations(self, max_new_tokens: int | None = None,
                           prompts: list[Prompt] | None = None) -> list[Generation]:
@@ -184,7 +216,7 @@ class Harness:
     def runtime(self, policy: str, storage: str, m_max: int = 0, compute_opt: bool = True, record: bool = False,
                 preload: bool = False, capacity: int | None = None, topm_absent: tuple[int, ...] = (),
                 layer_m_max: tuple[int, ...] = (), lookahead: int = 1,
-                ewma: EwmaBudget | None = None) -> OffloadedRuntime:
+                ewma: EwmaBudget | None = None, batch: int = 1) -> OffloadedRuntime:
         """A fresh runtime for one run of ``policy`` on ``storage`` (not installed), prefetching ``lookahead`` layers
         ahead; its budget is :func:`~specprefetch.runtime.core.budget.run_budget`'s (none for a policy without
         one), or, with ``ewma``, the online rule's step by step."""
@@ -195,7 +227,7 @@ class Harness:
                               capacity=capacity or self.capacity, compute_opt=compute_opt,
                               io_workers=int(self.settings["io_workers"]), io_retries=int(self.settings["io_retries"]),
                               record_routing=record, preload=preload, topm_absent=topm_absent,
-                              lookahead=int(lookahead), ewma=ewma)
+                              lookahead=int(lookahead), ewma=ewma, batch=int(batch))
         return OffloadedRuntime(self.model, self.store, self.reader(storage), opts, self.provider(policy, lookahead),
                                 spec=self.spec, device=self.device, resident=self._resident)
 
@@ -206,8 +238,9 @@ class Harness:
             layer_m_max: tuple[int, ...] = (), lookahead: int = 1, ewma: EwmaBudget | None = None) -> RunResult:
         """One measured run of ``policy`` (see the module docstring); ``layer_m_max``: per-layer budgets;
         ``lookahead``: how many layers ahead it prefetches; ``ewma``: the online budget rule."""
+        prompts = list(prompts or self.prompts)
         rt = self.runtime(policy, storage, m_max, compute_opt, record, preload, capacity, topm_absent, layer_m_max,
-                          lookahead, ewma)
+                          lookahead, ewma, _batch_of(prompts))
         gens: list[Generation] = []
         n_new = int(max_new_tokens or self.settings["max_new_tokens"])
         gc.collect()
@@ -218,7 +251,7 @@ class Harness:
                 on_runtime(rt)
             rt.reset_run()
             t0 = time.perf_counter()
-            for p in prompts or self.prompts:
+            for p in prompts:
                 rt.new_sequence()
                 gens.append(greedy_generate(self.model, p, n_new, fixed_length=True, tokenizer=self.tokenizer))
             wall = time.perf_counter() - t0
@@ -248,7 +281,7 @@ class Harness:
         n_new = int(max_new_tokens or self.settings["max_new_tokens"])
         prompts = list(prompts or self.prompts)
         back = threading.Event()
-        lanes = [_Lane(i, self.runtime(**kw), back) for i, kw in enumerate(runs)]
+        lanes = [_Lane(i, self.runtime(**kw, batch=_batch_of(prompts)), back) for i, kw in enumerate(runs)]
         rng = random.Random(f"specprefetch/lockstep/{seed}")
         start: Prefilled | None = None
 
@@ -319,6 +352,14 @@ class Harness:
             if rt is not src:
                 rt.adopt(src)
         return start
+
+
+def _batch_of(prompts: list[Prompt]) -> int:
+    """The batch size every prompt of a run has (one runtime decodes one batch size)."""
+    sizes = {p.batch for p in prompts}
+    if len(sizes) > 1:
+        raise SpecPrefetchError(f"one run decodes prompts of one batch size, not {sorted(sizes)}")
+    return sizes.pop() if sizes else 1
 
 
 class _Stopped(Exception):

@@ -51,6 +51,8 @@ from torch import nn
 from specprefetch.contracts import BUDGET_CURVE_COLUMNS, EMULATED, LATENCY_PARTS
 from specprefetch.io import atomic_path, provenance, write_json_atomic
 from specprefetch.runtime.core.budget import (
+    BATCH_KEY,
+    BATCH_WINDOW_KEY,
     PRE_ATTENTION_KEY,
     RULE,
     budget_storages,
@@ -351,6 +353,7 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
     t_ref = xfer.used_ms[ref]
     pre_ms = pre_attention_windows(win.candidates.events)
     pre_median = statistics.median(pre_ms) if pre_ms else float("nan")
+    batch_ms = _batch_windows(harness, win.policy, model_name, demand_m)
     cpu_ms = {st: transfer_cpu_ms(harness, st) for st in ("nvme_cold", "ram")}
     window_rows = [{"platform": platform, "model": model_name, "layer": layer + 1,
                     "window_ms": statistics.fmean(ws), "transfer_ms": t_ref,
@@ -377,6 +380,9 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
         "m_max_source": "profiled" if is_auto(settings["m_max"]) else "config", "m_max_rule": RULE,
         "window_ms_median_pre_attention": pre_median, "window_pre_attention_samples": len(pre_ms),
         PRE_ATTENTION_KEY: {st: derive_m_max(pre_median, t, n_experts) for st, t in xfer.used_ms.items()},
+        BATCH_WINDOW_KEY: {str(b): ms for b, ms in batch_ms.items()},
+        BATCH_KEY: {str(b): {st: derive_m_max(ms, t, n_experts) for st, t in xfer.used_ms.items()}
+                    for b, ms in batch_ms.items()},
         "predictor_for_window": win.policy, "emulation": settings["emulation"], "io_order": settings["io_order"],
         "emulated_profiles": {
             name: harness.profile(name).describe() for name in EMULATED},
@@ -516,6 +522,24 @@ def _measure_windows(harness: Harness, prompts: list[Any], demand_m: tuple[int, 
         per_layer[layer].append(w)
     return _Windows(policy, window_run, candidates, windows, per_layer,
                     list(per_layer_windows(window_run.events).values()))
+
+
+def _batch_windows(harness: Harness, policy: str, model: str, demand_m: tuple[int, ...]) -> dict[int, float]:
+    """The median prefetch window decoding a batch of B (each size > 1 of ``device.batch.sizes``, when ``model`` runs
+    the batch experiment): measured as the one-sequence window is (``policy`` predicting, offloaded, reference
+    storage), on the batch the benchmark decodes. Empty when the experiment is not configured."""
+    from specprefetch.runtime.core.settings import experiments_for
+
+    settings = harness.settings
+    if "batch" not in experiments_for(settings, model):
+        return {}
+    out = {}
+    for b in sorted(int(b) for b in settings["batch"]["sizes"] if int(b) > 1):
+        log.info("measuring the prefetch window of a batch of %d", b)
+        run = harness.run(policy, settings["reference_storage"], m_max=max(demand_m), prompts=harness.batch_prompts(b))
+        ws = list(per_layer_windows(run.events).values())
+        out[b] = statistics.median(ws) if ws else float("nan")
+    return out
 
 
 @dataclass

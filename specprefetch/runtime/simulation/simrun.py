@@ -34,6 +34,7 @@ from specprefetch.runtime.measurement.bench import (
     parse_layer_budgets,
     plan_experiments,
     run_budget_rule,
+    run_batch,
     run_lookahead,
     write_runs_csv,
 )
@@ -211,6 +212,8 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
     simulated: dict[str, dict[str, float]] = {}  # run key -> inputs -> simulated tok/s
     for key, run in tqdm(sorted(record["runs"].items()), desc="simulator validation", disable=None):
         m = run["row"]
+        if run_batch(m) != 1:
+            continue  # the simulator replays one sequence: a batch's compute is not in the window profile
         seqs = sequences_from_record(run["events"], n_layers)
         compute, storage, fixed = profile_inputs(profile, m["storage"], settings, bool(m["compute_opt"]))
         sims = {"profile": _simulate_run(run, seqs, profile, compute, storage, fixed)}
@@ -247,8 +250,8 @@ def _speedup_rows(runs: Mapping[str, Any], simulated: Mapping[str, Mapping[str, 
     for key, run in sorted(runs.items()):
         m = run["row"]
         off_key = offs.get(_block_of(m))
-        if m["policy"] == "off" or off_key is None:
-            continue
+        if m["policy"] == "off" or off_key is None or key not in simulated or off_key not in simulated:
+            continue  # OFF itself, or a run the simulator does not replay (a batch)
         mine = {int(r["repeat"]): float(r["tokens_per_s"]) for r in run.get("repeats") or [m]}
         base = {int(r["repeat"]): float(r["tokens_per_s"]) for r in runs[off_key].get("repeats") or
                 [runs[off_key]["row"]]}
@@ -304,7 +307,7 @@ def simulate_platform(platform: str, model: str, arch: str, trace_readers: Seque
     log.info("%s: NVMe bandwidth fitted to OFF = %.3f tok/s: %.0f MB/s", platform, p["off_tokens_per_s"], bw)
     m_max = platform_m_max(p, settings, bw, compute, n_experts)  # runtime.core.budget's rule or the configured one
     s = {**settings, "reference_storage": "nvme_cold"}
-    plan = plan_experiments(s, m_max, [e for e in experiments if e not in ("component", "budget", "lookahead")])
+    plan = plan_experiments(s, m_max, [e for e in experiments if e not in ("component", "budget", "lookahead", "batch")])
     rows = []
     results: dict[Signature, Any] = {}  # deterministic: a configuration of several experiments is simulated once
     for exp, configs in plan.items():
