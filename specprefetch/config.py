@@ -117,6 +117,22 @@ def device_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+def device_experiments(cfg: Mapping[str, Any]) -> set[str]:
+    """The runtime experiments some model of ``device.models`` runs: its ``device.model_experiments`` entry, else
+    ``device.experiments`` (``runtime.core.settings.experiments_for`` per model), the schema's defaults for keys a
+    config leaves out (a bare ``{}`` runs the default's). Decides the figures that exist only with an experiment
+    beyond the default (``render.targets.figure_names``); reads the config without resolving it."""
+    d = {**section_defaults("device"), **(cfg.get("device") or {})}
+    d["model_experiments"] = d["model_experiments"] or {}
+    models = d["models"] or list(cfg.get("models") or {}) or [*d["model_experiments"], None]  # None: no own list
+    return {e for m in models for e in experiments_for(d, m)}
+
+
+def experiments_for(d: Mapping[str, Any], model: str | None) -> list[str]:
+    """The benchmark experiments of ``model``: ``device.model_experiments[model]``, else ``device.experiments``."""
+    return list(d["model_experiments"].get(model, d["experiments"]))
+
+
 def cache_experts(cache: dict[str, Any], total_experts: int) -> int:
     """The cache capacity in experts: ``capacity_experts``, or ``capacity_fraction`` of all routed experts."""
     return int(cache["capacity_experts"] or round(float(cache["capacity_fraction"]) * total_experts))

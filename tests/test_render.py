@@ -250,13 +250,14 @@ def write_fixture_results(root: Path, cfg: dict) -> dict[str, Path]:
 def rendered(tmp_path_factory: pytest.TempPathFactory, cfg: dict, results: dict[str, Path]) -> Path:
     """Every table, figure and comparison rendered from the fixtures once (the tests below read them)."""
     from specprefetch.render.compare import compare_with_paper
-    from specprefetch.render.figures import FIGURES, render_figure
+    from specprefetch.render.figures import render_figure
     from specprefetch.render.tables import TABLES, render_table
+    from specprefetch.render.targets import figure_names
 
     out = tmp_path_factory.mktemp("paper_tables")
     for name in TABLES:
         render_table(name, cfg, results, out / f"{name}.tex")
-    for name in FIGURES:
+    for name in figure_names(cfg):  # the embedded default's (fig_batch needs the batch experiment: its own test)
         render_figure(name, cfg, results, out / "figures")
     compare_with_paper(cfg, sorted(out.glob("table*.json")), sorted((out / "figures").glob("*.json")),
                        load_reported(), out)
@@ -491,10 +492,10 @@ def test_missing_experiment_or_model_is_an_error_not_an_empty_table(tmp_path: Pa
 # ------------------------------------------------------------------------------------------------- figures
 
 
-def test_figures_written_with_their_data(rendered: Path) -> None:
-    from specprefetch.render.figures import FIGURES
+def test_figures_written_with_their_data(rendered: Path, cfg: dict) -> None:
+    from specprefetch.render.targets import figure_names
 
-    for name in FIGURES:
+    for name in figure_names(cfg):
         for ext in ("pdf", "png", "json"):
             assert (rendered / "figures" / f"{name}.{ext}").stat().st_size > 1000, (name, ext)
     fig5 = read_table_doc(rendered / "figures" / "fig5_storage.json").by_id()
@@ -1154,3 +1155,126 @@ def test_pre_attention_figure_recall_and_paired_runtime_gains(rendered: Path, cf
     assert res.doc.meta["runtime"]["m_max"]["nvme_cold"] == {"Pre-Attention": [2, 4], "SpecPrefetch": [4]}
     save_figure(res.fig, tmp_path / "fig_pre_attention")
     assert (tmp_path / "fig_pre_attention.png").stat().st_size > 0
+
+
+BATCH_GAINS = {"nvme_cold": {1: 0.10, 2: 0.06, 4: 0.02}, "slow_ufs": {1: 0.20, 2: 0.14, 4: 0.08}}
+BATCH_BUDGETS = {"nvme_cold": {1: 4, 2: 6, 4: 8}, "slow_ufs": {1: 2, 2: 3, 4: 4}}
+
+
+def _batch_runs(repeats: int = 4) -> pd.DataFrame:
+    """runs.csv with the batch experiment: per storage and batch size B one block of OFF, SpecPrefetch at B's budget
+    (BATCH_BUDGETS; gain BATCH_GAINS over OFF) and all-resident (1.5 x OFF), each repeat's runs sharing one drift
+    (paired); aggregate throughput grows with B, SpecPrefetch's overlap bound is 1.25 x its throughput."""
+    rng = np.random.default_rng(5)
+    rows = []
+    for storage, off in (("nvme_cold", 3.75), ("slow_ufs", 2.2)):
+        for b, gain in BATCH_GAINS[storage].items():
+            for r in range(repeats):
+                drift = 1.0 + rng.normal(0, 0.04)
+                for p, m, g, rr in (("off", 0, 1.0, ""), ("specprefetch", BATCH_BUDGETS[storage][b], 1 + gain, 0.8),
+                                    ("resident", 0, 1.5, "")):
+                    tps = round(off * b ** 0.8 * g * drift * (1 + rng.normal(0, 0.002)), 4)
+                    rows.append({"platform": "cpu-local", "model": "tiny-deepseek-vl2", "experiment": "batch",
+                                 "policy": p, "storage": storage, "m_max": m, "compute_opt": True, "repeat": r,
+                                 "tokens_per_s": tps, "ready_recall": rr, "n_tokens": 64 * b, "hits": 500,
+                                 "misses": 80, "prefetched": 400, "wasted": 40, "stall_ms": 120.0,
+                                 "source": "measured", "block": f"{storage}@b{b}" if b > 1 else storage,
+                                 "bound_tokens_per_s": round(tps * 1.25, 4), "batch": b})
+    return pd.concat([_runs_rows(), pd.DataFrame(rows)], ignore_index=True)
+
+
+def test_batch_figure_pairs_each_batch_size_with_its_off(cfg: dict, tmp_path: Path) -> None:
+    """fig_batch (beyond the paper): per storage and batch size the aggregate throughput of OFF, SpecPrefetch and
+    all-resident, SpecPrefetch's paired gain vs the OFF of its batch size's block, its overlap bound, budget and
+    ReadyRecall; drawn, registered and written like the other figures."""
+    from specprefetch.render.figures import figure_batch, render_figure, save_figure
+
+    runs = _as_read(_batch_runs(), tmp_path, "runs")
+    res = figure_batch(runs, cfg, "runs.csv")
+    doc = res.doc.by_id()
+    batch = runs[runs["experiment"] == "batch"].assign(batch=lambda d: pd.to_numeric(d["batch"]))  # read as text
+    for storage, gains in BATCH_GAINS.items():
+        for b, gain in gains.items():
+            part = batch[(batch["storage"] == storage) & (batch["batch"] == b)]
+            tps = {p: part[part["policy"] == p].set_index("repeat")["tokens_per_s"] for p in ("off", "specprefetch",
+                                                                                             "resident")}
+            cell = doc[f"{storage}/b{b}/gain"]
+            assert cell.value == pytest.approx(((tps["specprefetch"] / tps["off"] - 1) * 100).mean())
+            assert cell.value == pytest.approx(gain * 100, abs=1.0) and cell.has_ci and cell.lo < cell.value < cell.hi
+            assert cell.keys == {"storage": storage, "batch": b, "policy": "SpecPrefetch",
+                                 "m_max": BATCH_BUDGETS[storage][b]}
+            thr = [doc[f"{storage}/b{b}/{p}/throughput"] for p in ("off", "specprefetch", "resident")]
+            assert [c.value for c in thr] == pytest.approx([t.mean() for t in tps.values()])
+            assert thr[0].value < thr[1].value < thr[2].value and all(c.n == 4 for c in thr)
+            assert thr[2].keys == {"storage": storage, "batch": b, "policy": "All resident"}
+            assert doc[f"{storage}/b{b}/budget"].value == BATCH_BUDGETS[storage][b]
+            assert doc[f"{storage}/b{b}/bound"].value == pytest.approx(1.25 * thr[1].value, rel=1e-3)
+            assert doc[f"{storage}/b{b}/ready_recall"].value == pytest.approx(80.0)
+        ups = [doc[f"{storage}/b{b}/specprefetch/throughput"].value for b in gains]
+        assert ups == sorted(ups)  # aggregate throughput grows with the batch
+    assert res.doc.meta["batches"] == [1, 2, 4] and res.doc.meta["m_max"]["slow_ufs"] == {"1": 2, "2": 3, "4": 4}
+    assert "4 repeats" in res.doc.meta["note"] and res.doc.meta["model"] == "tiny-deepseek-vl2"
+    save_figure(res.fig, tmp_path / "fig_batch")
+    assert (tmp_path / "fig_batch.png").stat().st_size > 0
+    # through the registry, as render-figures draws it; the cells are the function's
+    (tmp_path / "runs.csv").write_text(_batch_runs().to_csv(index=False))
+    written = render_figure("fig_batch", cfg, {"runs": tmp_path / "runs.csv"}, tmp_path / "figures")
+    assert "beyond the paper" in written.meta["caption"] and written.by_id().keys() == doc.keys()
+    assert read_table_doc(tmp_path / "figures" / "fig_batch.json").by_id()["slow_ufs/b4/gain"].value == \
+        pytest.approx(doc["slow_ufs/b4/gain"].value)
+
+
+def test_batch_figure_reads_older_runs_and_rejects_bad_input(cfg: dict, results: dict[str, Path],
+                                                             tmp_path: Path) -> None:
+    """Without runs.csv's batch rows fig_batch is one line naming the experiment; a runs.csv without the batch
+    column is one sequence per run (B = 1); a batch size's missing OFF names the batch size."""
+    from specprefetch.render.data import RenderInputError
+    from specprefetch.render.figures import figure_batch, render_figure
+
+    with pytest.raises(RenderInputError, match=r"no rows with .*experiment='batch' \(fig_batch: the batch "
+                                               r"experiment") as exc:
+        render_figure("fig_batch", cfg, results, tmp_path / "figures")
+    assert "\n" not in str(exc.value) and not (tmp_path / "figures" / "fig_batch.png").exists()
+    runs = _batch_runs()
+    one = runs[runs["batch"].fillna(1) == 1].drop(columns=["batch"])
+    doc = figure_batch(_as_read(one, tmp_path, "runs"), cfg, "runs.csv").doc.by_id()
+    assert doc["nvme_cold/b1/gain"].value == pytest.approx(10.0, abs=1.0) and not any("/b2/" in c for c in doc)
+    lost = runs[~((runs["experiment"] == "batch") & (runs["policy"] == "off") & (runs["batch"] == 2)
+                  & (runs["repeat"] == 1) & (runs["storage"] == "slow_ufs"))]
+    with pytest.raises(RenderInputError, match=r"no reference run .*storage='slow_ufs', repeat=.*; batch size 2$"):
+        figure_batch(_as_read(lost, tmp_path, "runs"), cfg, "runs.csv")
+    bad = runs.assign(batch=runs["batch"].astype(object))
+    bad.loc[bad.index[-1], "batch"] = "0.5"
+    with pytest.raises(RenderInputError, match="column 'batch', line .* not a positive integer"):
+        figure_batch(_as_read(bad, tmp_path, "runs"), cfg, "runs.csv")
+
+
+def test_figure_names_hold_fig_batch_only_where_a_model_runs_the_batch_experiment(cfg: dict) -> None:
+    """targets.figure_names: the figures the DAG, render-figures and the preview make; fig_batch only where some model
+    of device.models runs the batch experiment (device.experiments, or its own device.model_experiments), while
+    FIGURE_NAMES (the vocabulary) always has it."""
+    from specprefetch.config import validate_config
+    from specprefetch.render import targets
+
+    assert "fig_batch" in targets.FIGURE_NAMES and targets.FIGURE_INPUTS["fig_batch"] == ("runs",)
+    default = targets.figure_names(cfg)
+    assert default == [f for f in targets.FIGURE_NAMES if f != "fig_batch"] and len(default) == 10
+    assert targets.figure_names({}) == default  # the schema's defaults: no batch experiment
+
+    def with_device(**device: object) -> dict:
+        c = copy.deepcopy(cfg)
+        c["device"].update(device)
+        return validate_config(c)
+
+    exps = cfg["device"]["experiments"]
+    assert targets.figure_names(with_device(experiments=[*exps, "batch"])) == targets.FIGURE_NAMES
+    ds, qwen = "tiny-deepseek-vl2", "tiny-qwen3-vl-moe"
+    assert "fig_batch" in targets.figure_names(with_device(model_experiments={ds: [*exps, "batch"], qwen: ["main"]}))
+    # device.experiments has it, but every runtime model runs its own list without it
+    none = with_device(experiments=[*exps, "batch"], model_experiments={ds: exps, qwen: ["main"]})
+    assert "fig_batch" not in targets.figure_names(none)
+    # only a model the runtime does not benchmark would run it by device.experiments
+    assert "fig_batch" not in targets.figure_names(with_device(experiments=[*exps, "batch"], models=[qwen]))
+    outs = targets.all_outputs(with_device(experiments=[*exps, "batch"]), with_pdf=False)
+    assert sum("/figures/" in o for o in outs) == 3 * 11 and any(o.endswith("figures/fig_batch.png") for o in outs)
+    assert sum("/figures/" in o for o in targets.all_outputs(cfg, with_pdf=False)) == 3 * 10

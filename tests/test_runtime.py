@@ -1691,7 +1691,8 @@ def test_batch_experiment_profiles_its_window_and_benchmarks_each_batch(tmp_path
         got = list(csv.DictReader(f))
     assert len(got) == len(rows) == 6
     assert {(r["batch"], r["policy"], r["block"]) for r in got} == {
-        (str(b), p, "nvme_cold" + ("@b2" if b == 2 else "")) for b in (1, 2) for p in ("off", "specprefetch", "resident")}
+        (str(b), p, "nvme_cold" + ("@b2" if b == 2 else ""))
+        for b in (1, 2) for p in ("off", "specprefetch", "resident")}
     for r in got:
         b = int(r["batch"])
         assert r["tokens_match"] == "true" and int(r["n_tokens"]) == b * (s["max_new_tokens"] - 1)

@@ -136,15 +136,16 @@ def test_figures_draw_each_variant_and_claims_name_theirs(tmp_path: Path) -> Non
 
 def test_comparison_judges_the_storage_claims_under_each_emulation(tmp_path: Path) -> None:
     from specprefetch.render.compare import compare_with_paper
-    from specprefetch.render.figures import FIGURES, render_figure
+    from specprefetch.render.figures import render_figure
     from specprefetch.render.reported import load_reported
+    from specprefetch.render.targets import figure_names
     from tests.test_render import write_fixture_results
 
     cfg = _cfg()
     validate_config(cfg)
     results = write_fixture_results(tmp_path / "results", cfg)
     out = tmp_path / "out"
-    for name in FIGURES:
+    for name in figure_names(cfg):
         render_figure(name, cfg, results, out / "figures")
     compare_with_paper(cfg, [], sorted((out / "figures").glob("*.json")), load_reported(), out)
     claims = {c["id"]: c for c in json.loads((out / "comparison.json").read_text())["claims"]}

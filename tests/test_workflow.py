@@ -81,6 +81,17 @@ def test_dry_run_plans_whole_dag(tmp_path: Path, profile: str) -> None:
     assert job_counts(res.stdout) == EXPECTED[profile]
 
 
+def test_the_extensions_overlay_adds_fig_batch(tmp_path: Path) -> None:
+    """fig_batch is in the DAG only where a model runs the batch experiment: the extensions overlay's (the default's
+    10 figures above), as a render job and an input of the comparison, the preview and the numbers."""
+    res = snakemake(tmp_path, "-n", "--cores", "1", "paper_tables", "--configfile", str(ROOT / "config/config.yaml"),
+                    str(ROOT / "config/overlays/extensions.yaml"))
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert job_counts(res.stdout)["render_figure"] == COMMON["render_figure"] + 1
+    assert "--figure fig_batch --runs results/device/runs.csv" in res.stdout
+    assert "paper_tables/figures/fig_batch.json" in res.stdout.split("rule compare_with_paper:")[1].split("rule ")[0]
+
+
 def test_bad_config_stops_before_any_job(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     text = (ROOT / "config/smoke.yaml").read_text().replace("top_k: 4", "top_k: 40")

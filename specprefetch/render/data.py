@@ -168,7 +168,8 @@ def repeat_stats(values: pd.Series, repeats: pd.Series | None = None) -> RepeatS
 
 
 # one configuration
-CONFIG_KEYS = ("experiment", "storage", "policy", "m_max", "compute_opt", "layer_m_max", "lookahead", "budget_rule")
+CONFIG_KEYS = ("experiment", "storage", "policy", "m_max", "compute_opt", "layer_m_max", "lookahead", "budget_rule",
+               "batch")
 
 
 def repeat_count(rows: pd.DataFrame) -> int | str:

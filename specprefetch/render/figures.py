@@ -1340,6 +1340,173 @@ def figure_pre_attention(recall: pd.DataFrame, cfg: Mapping[str, Any], path: Pat
     return FigureResult(fig, doc)
 
 
+# --------------------------------------------------------------------------------------------- batch decoding
+BATCH_POLICIES = ("off", "specprefetch", "resident")  # the batch experiment's runs of each (storage, batch) block
+
+
+def batch_sizes(rows: pd.DataFrame, path: Path | str) -> pd.Series:
+    """Each row's batch size (runs.csv's ``batch``: the sequences decoded together), 1 where the column is absent
+    or empty (older runs.csv files, one sequence as in the paper). A filled value that is not a positive integer is
+    an input error naming the column and line (the line is right for the frame as read)."""
+    if "batch" not in rows.columns:
+        return pd.Series(1, index=rows.index, dtype=int)
+    raw = rows["batch"]
+    blank = raw.isna() | (raw.astype(str).str.strip() == "")
+    vals = pd.to_numeric(raw.where(~blank), errors="coerce")
+    bad = ~blank & ~((vals >= 1) & (vals == vals.round()))
+    if bad.any():
+        i = rows.index.get_loc(bad[bad].index[0])
+        raise RenderInputError(f"{path}: column 'batch', line {int(i) + 2}: value {raw[bad].iloc[0]!r} is not a "
+                               "positive integer (the sequences decoded together)")
+    return vals.fillna(1).astype(int)
+
+
+@dataclass
+class BatchRuntime:
+    """The runtime's batch experiment, summarized (:func:`batch_runtime`)."""
+
+    points: pd.DataFrame                # per (storage, batch, policy): throughput, paired gain, ReadyRecall, bound
+    budgets: dict[str, dict[int, int]]  # per storage and batch size: SpecPrefetch's M_max
+    has_bound: bool                     # whether runs.csv records the overlap bound
+    model: str
+    platform: str
+    note: str
+
+
+def batch_runtime(runs: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any]) -> BatchRuntime:
+    """runs.csv's batch experiment (beyond the paper; the embedded default does not run it,
+    config/overlays/extensions.yaml does): per storage and batch size B (column ``batch``) OFF, SpecPrefetch at that
+    batch's budget and all-resident, one block each, so SpecPrefetch's (and all-resident's) gain vs OFF is paired by
+    repeat within the batch size's block. Summarized with :func:`summarize`: aggregate throughput (every sequence's
+    tokens), the paired gain, ReadyRecall (%) and, when recorded, the overlap bound."""
+    sel = select_device(runs, path, cfg)
+    rows = require_rows(runs, path, "fig_batch: the batch experiment of the runtime benchmarks, beyond the paper; "
+                        "add 'batch' to device.experiments, as config/overlays/extensions.yaml does",
+                        platform=sel.platform, model=sel.model, source=sel.sources[0], experiment="batch")
+    rows = rows[rows["policy"].isin(BATCH_POLICIES)]
+    rows = rows.assign(batch=batch_sizes(rows, path))
+    require_rows(rows, path, "fig_batch", policy="specprefetch")
+    parts = []
+    for b, gb in rows.groupby("batch", sort=True):  # one block per (storage, batch): pair within the batch size
+        try:
+            parts.append(paired_gains(gb, path))
+        except RenderInputError as exc:
+            raise RenderInputError(f"{exc}; batch size {int(b)}") from None
+    g = pd.concat(parts, ignore_index=True).assign(ready_pct=lambda d: d["ready_recall"] * 100.0)
+    extra = []
+    if bound_values(g, path) is not None:
+        g = g.assign(**{BOUND_COLUMN: pd.to_numeric(g[BOUND_COLUMN], errors="coerce")})
+        extra = [BOUND_COLUMN]
+    spec = g[g["policy"] == "specprefetch"]
+    if spec["m_max"].isna().any():
+        raise RenderInputError(f"{path}: column 'm_max' is empty for the batch experiment's rows of policy "
+                               "'specprefetch'")
+    budgets: dict[str, dict[int, int]] = {}
+    for (st, b), gs in spec.groupby(["storage", "batch"], sort=True):
+        ms = sorted({int(m) for m in gs["m_max"]})
+        if len(ms) > 1:
+            raise RenderInputError(f"{path}: SpecPrefetch at batch size {int(b)} on {st!r} ran at several budgets "
+                                   f"({ms}; column 'm_max'): one budget per batch size")
+        budgets.setdefault(str(st), {})[int(b)] = ms[0]
+    points = summarize(g, ["storage", "batch", "policy"], ["tokens_per_s", "gain_pct", "ready_pct", *extra])
+    return BatchRuntime(points, budgets, bool(extra), sel.model, sel.platform, repeats_note(g))
+
+
+def figure_batch(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv") -> FigureResult:
+    """Beyond the paper: batch decoding (:func:`batch_runtime`), one column per storage. Top: the aggregate decoding
+    throughput (every sequence's tokens) against the batch size B of OFF and SpecPrefetch (95 % CIs, paired
+    bootstrap over repeats), all-resident (the resident bound; band: its CI) and, dashed, SpecPrefetch's overlap bound
+    (perfect transfer/compute overlap). Bottom: SpecPrefetch's paired gain vs OFF, labelled with its budget M_max.
+    Cells: ``<storage>/b<B>/<policy>/throughput``, ``<storage>/b<B>/{gain,bound,budget,ready_recall}``."""
+    bt = batch_runtime(runs, path, cfg)
+    pts = bt.points
+    storages = [s for s in STORAGE_ORDER if s in set(pts["storage"])]
+    sizes = sorted({int(b) for b in pts["batch"]})
+    bound = f"{BOUND_COLUMN}_mean"
+    spec_c = color("specprefetch")
+    cells: list[Cell] = []
+    n = len(storages)
+    with _theme():
+        width = TEXT_WIDTH_IN if n > 2 else COLUMN_WIDTH_IN * (1.6 if n == 2 else 1.1)
+        fig, axes = plt.subplots(2, n, squeeze=False, sharex=True, sharey="row", figsize=(width, 0.8 + 1.75 * 2))
+        for j, st in enumerate(storages):
+            top, bottom = axes[0, j], axes[1, j]
+            part = pts[pts["storage"] == st]
+            res = part[part["policy"] == "resident"].sort_values("batch")
+            if not res.empty:
+                top.fill_between(res["batch"], res["tokens_per_s_lo"], res["tokens_per_s_hi"],
+                                 color=color("resident"), alpha=0.12, linewidth=0)
+                top.plot(res["batch"], res["tokens_per_s_mean"], color=color("resident"), linewidth=1.0,
+                         marker="^", markersize=3, label=POLICY_LABELS["resident"], zorder=2)
+            for p, dodge, marker in (("off", 2.0 ** -0.04, "s"), ("specprefetch", 2.0 ** 0.04, "o")):
+                q = part[part["policy"] == p].sort_values("batch")
+                if q.empty:
+                    continue
+                top.errorbar(q["batch"] * dodge, q["tokens_per_s_mean"],
+                             yerr=_yerr(q["tokens_per_s_mean"], q["tokens_per_s_lo"], q["tokens_per_s_hi"]),
+                             color=color(p), marker=marker, markersize=3, linewidth=1.3, elinewidth=0.8, capsize=2,
+                             label=POLICY_LABELS[p], zorder=3)
+            spec = part[part["policy"] == "specprefetch"].sort_values("batch")
+            if bt.has_bound and spec[bound].notna().any():
+                top.plot(spec["batch"], spec[bound], color=spec_c, linestyle="--", linewidth=0.9, alpha=0.8,
+                         label=f"{POLICY_LABELS['specprefetch']}'s overlap bound", zorder=2)
+            top.set_title(storage_label(st), loc="left")
+            bottom.errorbar(spec["batch"], spec["gain_pct_mean"],
+                            yerr=_yerr(spec["gain_pct_mean"], spec["gain_pct_lo"], spec["gain_pct_hi"]),
+                            color=spec_c, marker="o", markersize=3, linewidth=1.3, elinewidth=0.8, capsize=2)
+            for r in spec.itertuples():
+                ax_y = max(float(r.gain_pct_hi), float(r.gain_pct_mean))
+                bottom.annotate(f"$M$={bt.budgets[st][int(r.batch)]}", xy=(int(r.batch), ax_y), xytext=(0, 2),
+                                textcoords="offset points", ha="center", va="bottom", fontsize=5.5, color=spec_c)
+            bottom.axhline(0.0, color="#888888", linewidth=0.6, linestyle=":")
+            bottom.set_xlabel("Batch size $B$")
+            for r in part.itertuples():
+                b, p = int(r.batch), str(r.policy)
+                key = {"storage": st, "batch": b, "policy": POLICY_LABELS[p]}
+                cells.append(_stat_cell(f"{st}/b{b}/{p}/throughput", "throughput", r.tokens_per_s_stats, key))
+                if p != "specprefetch":
+                    continue
+                key = {**key, "m_max": bt.budgets[st][b]}
+                cells.append(_stat_cell(f"{st}/b{b}/gain", "gain", r.gain_pct_stats, key))
+                bst = getattr(r, f"{BOUND_COLUMN}_stats", None)
+                cells.append(_stat_cell(f"{st}/b{b}/bound", "throughput", bst, key) if bst is not None else
+                             Cell(id=f"{st}/b{b}/bound", quantity="throughput", value=None, keys=key))
+                cells.append(Cell(id=f"{st}/b{b}/budget", quantity="m_max", value=float(bt.budgets[st][b]), keys=key))
+                cells.append(_stat_cell(f"{st}/b{b}/ready_recall", "ready_recall", r.ready_pct_stats, key)
+                             if r.ready_pct_stats is not None else
+                             Cell(id=f"{st}/b{b}/ready_recall", quantity="ready_recall", value=None, keys=key))
+        first = axes[0, 0]
+        first.set_xscale("log", base=2)
+        first.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(sizes))
+        first.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        first.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        first.set_xlim(sizes[0] / 1.45, sizes[-1] * 1.45)
+        highs = [pts["tokens_per_s_hi"].max()] + ([pts[bound].max()] if bt.has_bound else [])
+        first.set_ylim(0, float(pd.Series(highs).max()) * 1.08)
+        spec_all = pts[pts["policy"] == "specprefetch"]
+        lo, hi = min(0.0, float(spec_all["gain_pct_lo"].min())), max(0.0, float(spec_all["gain_pct_hi"].max()))
+        span = max(hi - lo, 1.0)
+        axes[1, 0].set_ylim(lo - 0.08 * span, hi + 0.3 * span)  # room for the budget labels
+        first.set_ylabel(f"{_display(cfg, bt.model)}\nThroughput (tok/s,\nall sequences)")
+        axes[1, 0].set_ylabel(f"{POLICY_LABELS['specprefetch']} gain\nvs OFF (%)")
+        for ax in axes.flat:
+            ax.grid(axis="x", visible=False)
+        handles: dict[str, Any] = {}
+        for ax in axes[0]:
+            for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+                handles.setdefault(lab, h)
+        order = [POLICY_LABELS[p] for p in ("off", "specprefetch", "resident")]
+        labels = sorted(handles, key=lambda lab: order.index(lab) if lab in order else len(order))
+        fig.legend([handles[lab] for lab in labels], labels, loc="upper center", ncol=min(len(labels), 4),
+                   frameon=False, bbox_to_anchor=(0.5, 1.0), columnspacing=1.0, handlelength=1.8, fontsize=6.5)
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
+    doc = TableDoc("fig_batch", "Batch decoding: throughput and gain vs batch size", cfg["profile"], cells,
+                   meta={"note": _caption_note(cfg, bt.note), "model": bt.model, "platform": bt.platform,
+                         "ci": CI_META, "batches": sizes,
+                         "m_max": {st: {str(b): m for b, m in bt.budgets[st].items()} for st in storages}})
+    return FigureResult(fig, doc)
+
+
 def _build_pre_attention(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> FigureResult:
     runs = read_result_csv(inputs["runs"], "runs") if "runs" in inputs else None
     return figure_pre_attention(read_result_csv(inputs["recall"], "recall"), cfg, inputs["recall"], runs,
@@ -1428,6 +1595,17 @@ FIGURES: dict[str, FigureSpec] = {
                                     "rule on the attention window) and at SpecPrefetch's, per storage (95\\,\\% "
                                     "CIs, paired bootstrap over repeats; above each bar: its ReadyRecall).",
                                     "Pre-attention (beyond the paper)", optional=("runs",)),
+    "fig_batch": FigureSpec("fig_batch", ("runs",), _from_csv("runs", figure_batch),
+                            "Batch decoding (beyond the paper): the runtime decodes a batch of $B$ prompts at once "
+                            "(one token of each per step), SpecPrefetch with the paper's batch-level priorities "
+                            "$s_e = \\sum_{(b,s) \\in \\Omega} \\hat{\\pi}_{b,s,e}$ (summed over the batch's "
+                            "tokens) at the budget per batch step from the window rule on the prefetch window "
+                            "measured at that batch size. Top: the aggregate decoding throughput (every sequence's "
+                            "tokens) of OFF and SpecPrefetch (95\\,\\% CIs, paired bootstrap over repeats), with "
+                            "two bounds: all experts resident (band: its CI) and, dashed, SpecPrefetch's overlap "
+                            "bound (perfect transfer/compute overlap). Bottom: SpecPrefetch's paired throughput gain "
+                            "vs OFF per batch size, labelled with its budget $M_{\\max}$.",
+                            "Batch decoding (beyond the paper)"),
     "fig_pareto": FigureSpec("fig_pareto", ("recall", "params", "predictor_cost"), _build_pareto,
                              "What a predictor buys for what it costs: (a) ExpertRecall@$K$ (mean over workloads; "
                              "95\\,\\% t-interval over training seeds) against trainable parameters, (b) against "

@@ -54,10 +54,11 @@ def write_preview_tex(cfg: Mapping[str, Any], out_dir: Path | str, tables: Seque
     naming it, so the preview never silently lacks a table.
     """
     from specprefetch.render.figures import FIGURES
+    from specprefetch.render.targets import figure_names
 
     out_dir = Path(out_dir)
     tables = list(tables if tables is not None else TABLES)
-    figures = list(figures if figures is not None else FIGURES)
+    figures = list(figures if figures is not None else figure_names(cfg))  # the configured ones (as the DAG's)
     need = [out_dir / f"{t}.tex" for t in tables] + [out_dir / "figures" / f"{f}.pdf" for f in figures]
     if with_comparison:
         need += [out_dir / f"{t}_vs_paper.tex" for t in tables if TABLES[t].compared]

@@ -45,7 +45,11 @@ FIGURE_INPUTS: dict[str, tuple[str, ...]] = {
     "fig_pareto": ("recall", "params", "predictor_cost", "runs"),
     "fig_budget_rules": ("runs",),
     "fig_pre_attention": ("recall", "runs"),
+    "fig_batch": ("runs",),
 }
+# Figures beyond the paper drawn from a runtime experiment the embedded default does not run: figure -> experiment.
+# They are in the DAG (figure_names) only where some model of device.models runs it (config/overlays/extensions.yaml).
+EXPERIMENT_FIGURES: dict[str, str] = {"fig_batch": "batch"}
 TABLE_NAMES = list(TABLE_INPUTS)
 # The tables with a reproduced-vs-reported companion (<table>_vs_paper.tex); table0_realism is itself a comparison
 # with the paper (the stand-ins' FATE recall beside Table 1's), so it has none.
@@ -54,7 +58,7 @@ COMPARED_TABLES = [t for t in TABLE_NAMES if t not in UNCOMPARED_TABLES]
 # The rendering inputs are archived beside the rendering (``<out_dir>/results/<file name>``, committed for the
 # embedded default), so the tables can be regenerated from them alone: CI does, then diffs against the commit.
 ARCHIVE_SUBDIR = "results"
-FIGURE_NAMES = list(FIGURE_INPUTS)
+FIGURE_NAMES = list(FIGURE_INPUTS)  # every figure: the vocabulary (CLI choices, render.tolerances, claims' sources)
 REPORTED = "config/reference/paper_reported.yaml"
 CLAIMS = "config/reference/claims.yaml"  # the paper's claims, checked by compare-paper
 
@@ -66,6 +70,15 @@ def out_dir(cfg: Mapping[str, Any]) -> str:
 
     render = cfg["render"] if "render" in cfg else section_defaults("render")
     return str(render["out_dir"]).rstrip("/")
+
+
+def figure_names(cfg: Mapping[str, Any]) -> list[str]:
+    """The figures a config renders (the DAG's, the CLI's and the preview's default): ``FIGURE_NAMES`` without those
+    of ``EXPERIMENT_FIGURES`` whose experiment no model of ``device.models`` runs (``config.device_experiments``)."""
+    from specprefetch.config import device_experiments
+
+    runs = device_experiments(cfg) if EXPERIMENT_FIGURES else set()
+    return [f for f in FIGURE_NAMES if f not in EXPERIMENT_FIGURES or EXPERIMENT_FIGURES[f] in runs]
 
 
 def table_inputs(table: str) -> dict[str, str]:
@@ -114,7 +127,7 @@ def table_files(cfg: Mapping[str, Any]) -> list[str]:
 
 
 def figure_files(cfg: Mapping[str, Any]) -> list[str]:
-    return [figure_file(cfg, f, ext) for f in FIGURE_NAMES for ext in ("pdf", "png", "json")]
+    return [figure_file(cfg, f, ext) for f in figure_names(cfg) for ext in ("pdf", "png", "json")]
 
 
 def comparison_files(cfg: Mapping[str, Any]) -> list[str]:

@@ -81,9 +81,10 @@ def _cmd_render_tables(args: argparse.Namespace) -> None:
 
 def _cmd_render_figures(args: argparse.Namespace) -> None:
     from specprefetch.render.figures import FIGURES, render_figure
+    from specprefetch.render.targets import figure_names
 
     cfg = load_args_config(args)
-    for name in args.figure or list(FIGURES):
+    for name in args.figure or figure_names(cfg):  # default: the figures the config renders (as the DAG's)
         doc = render_figure(name, cfg, _inputs(args, FIGURES[name].inputs + FIGURES[name].optional), args.out_dir)
         print(f"{args.out_dir / name}.{{pdf,png,json}}: {len(doc.cells)} values")
 
@@ -175,7 +176,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("render-figures", help="Figures 1(a), 1(b), 4, 5, 6 and those beyond the paper (PDF, PNG, "
                                               "JSON)")
     add_config_arg(p)
-    p.add_argument("--figure", action="append", choices=FIGURES, help="only this figure (repeatable)")
+    p.add_argument("--figure", action="append", choices=FIGURES,
+                   help="only this figure (repeatable; default: every figure the config renders, fig_batch only "
+                        "where a model runs the batch experiment)")
     _add_input_flags(p, _input_names(FIGURE_INPUTS))
     p.add_argument("--out-dir", required=True, type=Path, help="writes <figure>.{pdf,png,json} here")
     p.set_defaults(func=_cmd_render_figures)
@@ -219,7 +222,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_arg(p)
     p.add_argument("--dir", required=True, type=Path, help="the rendered tables directory (e.g. paper_tables)")
     p.add_argument("--table", action="append", choices=TABLES, help="only these tables (default all)")
-    p.add_argument("--figure", action="append", choices=FIGURES, help="only these figures (default all)")
+    p.add_argument("--figure", action="append", choices=FIGURES,
+                   help="only these figures (default: every figure the config renders)")
     p.add_argument("--no-comparison", action="store_true", help="leave out the *_vs_paper tables")
     p.add_argument("--tex", type=Path, default=None, help="preview source (default <dir>/paper_tables.tex)")
     p.add_argument("--out", type=Path, default=None, help="PDF (default: the .tex with suffix .pdf)")

@@ -105,7 +105,7 @@ rule compare_with_paper:
     """Reproduced vs reported for every table (<table>_vs_paper.tex), the paper's claims, comparison.md."""
     input:
         tables=[RT.table_file(P.cfg, t, "json") for t in RT.TABLE_NAMES],
-        figures=[RT.figure_file(P.cfg, f, "json") for f in RT.FIGURE_NAMES],
+        figures=[RT.figure_file(P.cfg, f, "json") for f in RT.figure_names(P.cfg)],
         reported=str(P.workdir / RT.REPORTED),
         claims=str(P.workdir / RT.CLAIMS),
     output:
@@ -141,7 +141,7 @@ rule write_preview:
     """The preview document (paper_tables.tex) that \\input's every table, comparison and figure."""
     input:
         tables=[RT.table_file(P.cfg, t, "tex") for t in RT.TABLE_NAMES],
-        figures=[RT.figure_file(P.cfg, f, ext) for f in RT.FIGURE_NAMES for ext in ("pdf", "json")],
+        figures=[RT.figure_file(P.cfg, f, ext) for f in RT.figure_names(P.cfg) for ext in ("pdf", "json")],
         comparison=rules.compare_with_paper.output.vs,
         figures_vs=rules.compare_with_paper.output.figures_vs,
     output:
@@ -193,7 +193,7 @@ rule write_numbers:
     """numbers.md and numbers.json: the measured numbers the docs cite, each with the file and cell it came from."""
     input:
         tables=[RT.table_file(P.cfg, t, "json") for t in RT.TABLE_NAMES],
-        figures=[RT.figure_file(P.cfg, f, "json") for f in RT.FIGURE_NAMES],
+        figures=[RT.figure_file(P.cfg, f, "json") for f in RT.figure_names(P.cfg)],
         comparison=rules.compare_with_paper.output.json,
         archived=list(RT.archive_files(P.cfg).values()),
         sim_validation=P.sim_validation_table,

@@ -9,9 +9,9 @@ One MoE layer (:meth:`LayerLoop.run`):
    (:func:`acquire`).
 3. In a decoding step (one new token per sequence of the ``batch``) a predicting policy's provider gives the
    priorities ``s^{l+d}`` (``t_pred``; the look-ahead ``d`` is the provider's, 1 in the paper; with a batch they are
-   the paper's batch priorities, summed over the batch's tokens); the top ``M_max`` experts of layer ``l+d`` neither resident
-   nor in flight are queued as prefetches in priority order (:func:`issue_prefetches`; PRED0 selects and issues
-   nothing).
+   the paper's batch priorities, summed over the batch's tokens); the top ``M_max`` experts of layer ``l+d`` neither
+   resident nor in flight are queued as prefetches in priority order (:func:`issue_prefetches`; PRED0 selects and
+   issues nothing).
 4. Compute, in ascending expert id: each expert is waited for until resident (the stall; a queued load is performed
    by the compute thread itself, a failed one reloaded on demand), computed and released -- or, with ``compute_opt``
    in a decoding step of one sequence, all K experts are waited for and then computed at once (the batched fast

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from specprefetch.config import cache_experts, device_settings
+from specprefetch.config import cache_experts, device_settings, experiments_for
 from specprefetch.io import SpecPrefetchError
 
 __all__ = ["cache_capacity", "device_settings", "experiments_for", "platform_label",
@@ -38,11 +38,6 @@ def cache_capacity(d: dict[str, Any], total_experts: int, top_k: int) -> int:
     if cap < top_k:
         raise SpecPrefetchError(f"invalid config key 'device.cache': capacity {cap} experts < top_k={top_k}")
     return min(int(cap), total_experts)
-
-
-def experiments_for(d: Mapping[str, Any], model: str) -> list[str]:
-    """The benchmark experiments of ``model``: ``device.model_experiments[model]``, else ``device.experiments``."""
-    return list(d["model_experiments"].get(model, d["experiments"]))
 
 
 def variant_settings(d: dict[str, Any], variant: str | None) -> dict[str, Any]:

@@ -37,9 +37,9 @@ from specprefetch.runtime.measurement.decode import (
     Generation,
     Prefilled,
     Prompt,
-    pad_id_of,
     collate,
     greedy_generate,
+    pad_id_of,
     prefill,
 )
 
@@ -259,7 +259,7 @@ class Harness:
             gc.enable()
             rt.uninstall()
             rt.close()
-        return _result(rt, storage, gens, wall)
+        return _logged(_result(rt, storage, gens, wall))
 
     def run_lockstep(self, runs: list[dict[str, Any]], seed: str, max_new_tokens: int | None = None,
                      prompts: list[Prompt] | None = None) -> list[RunResult]:
@@ -336,7 +336,7 @@ class Harness:
         out = []
         for lane, kw in zip(lanes, runs):
             res = _result(lane.rt, kw["storage"], lane.gens, lane.wall - sum(b - a for a, b in lane.pauses))
-            out.append(own_time(res, lane.pauses))
+            out.append(_logged(own_time(res, lane.pauses)))
         return out
 
     def _shared_prefill(self, runtimes: list[OffloadedRuntime], prompt: Prompt) -> Prefilled | None:
@@ -427,9 +427,13 @@ def own_time(res: RunResult, pauses: list[tuple[float, float]]) -> RunResult:
 
 def _result(rt: OffloadedRuntime, storage: str, gens: list[Generation], wall: float) -> RunResult:
     o = rt.opt
-    res = RunResult(o.policy, storage, o.m_max, o.compute_opt, rt.capacity, rt.stats(), gens, rt.events,
-                    list(rt.engine.log), wall)
+    return RunResult(o.policy, storage, o.m_max, o.compute_opt, rt.capacity, rt.stats(), gens, rt.events,
+                     list(rt.engine.log), wall)
+
+
+def _logged(res: RunResult) -> RunResult:
+    """Log a run's result (on its own clock: a lockstep run's after :func:`own_time`)."""
     log.info("%-12s %-9s M=%-2d opt=%d: %.2f tok/s, ReadyRecall %.3f, hits %d, misses %d, prefetched %d, "
-             "stall %.1f ms", o.policy, storage, o.m_max, o.compute_opt, res.tokens_per_s,
+             "stall %.1f ms", res.policy, res.storage, res.m_max, res.compute_opt, res.tokens_per_s,
              res.stats.ready_recall, res.stats.hits, res.stats.misses, res.stats.prefetched, res.stats.stall_ms)
     return res

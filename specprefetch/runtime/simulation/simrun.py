@@ -33,8 +33,8 @@ from specprefetch.runtime.measurement.bench import (
     Signature,
     parse_layer_budgets,
     plan_experiments,
-    run_budget_rule,
     run_batch,
+    run_budget_rule,
     run_lookahead,
     write_runs_csv,
 )
@@ -307,7 +307,8 @@ def simulate_platform(platform: str, model: str, arch: str, trace_readers: Seque
     log.info("%s: NVMe bandwidth fitted to OFF = %.3f tok/s: %.0f MB/s", platform, p["off_tokens_per_s"], bw)
     m_max = platform_m_max(p, settings, bw, compute, n_experts)  # runtime.core.budget's rule or the configured one
     s = {**settings, "reference_storage": "nvme_cold"}
-    plan = plan_experiments(s, m_max, [e for e in experiments if e not in ("component", "budget", "lookahead", "batch")])
+    plan = plan_experiments(s, m_max, [e for e in experiments
+                                       if e not in ("component", "budget", "lookahead", "batch")])
     rows = []
     results: dict[Signature, Any] = {}  # deterministic: a configuration of several experiments is simulated once
     for exp, configs in plan.items():
