@@ -174,6 +174,34 @@ def test_within_every_storage_extension_claim(losses: dict[str, list[float]], wa
              paper={"text": "x", "holds": None})
 
 
+def batch_gains(gains: dict[tuple[str, int], list[float]]) -> TableDoc:
+    """fig_batch's gain cells: per (storage, batch size), keyed as the figure keys them."""
+    return doc("fig_batch", [dev(f"{st}/b{b}/gain", {"storage": st, "batch": b, "policy": "SpecPrefetch", "m_max": 3},
+                                 reps) for (st, b), reps in gains.items()])
+
+
+@pytest.mark.parametrize("b8, want", [(POS, Verdict.HOLDS), (NEG, Verdict.FAILS), (NOISY, Verdict.UNRESOLVED)])
+def test_sign_over_every_selected_cell_with_the_batch_key(b8: list[float], want: Verdict) -> None:
+    """'sign' over a selection (every storage and batch size of fig_batch), each shown by its item; the selector's
+    ``batch`` key picks one batch size."""
+    d = batch_gains({("nvme_cold", 1): POS, ("nvme_cold", 8): b8, ("slow_ufs", 8): POS})
+    every = spec(source="fig_batch", kind="sign", direction="positive", select={"name": "gain"},
+                 item="{storage} B={batch}:", device=True, extension=True)
+    got, text, _ = verdict(every, d)
+    assert got is want and "nvme_cold B=1: " in text and "nvme_cold B=8: " in text and "slow_ufs B=8" in text, text
+    one = spec(source="fig_batch", kind="sign", direction="positive", cells=[{"name": "gain", "batch": 1,
+                                                                              "storage": "nvme_cold"}],
+               extension=True)
+    assert verdict(one, d)[0] is Verdict.HOLDS  # batch 1 only, whatever batch 8 does
+    shrinks = spec(source="fig_batch", kind="greater", a={"name": "gain", "storage": "nvme_cold", "batch": 1},
+                   b={"name": "gain", "storage": "nvme_cold", "batch": 8}, device=True, extension=True)
+    assert verdict(shrinks, d)[0] is {Verdict.HOLDS: Verdict.UNRESOLVED, Verdict.FAILS: Verdict.HOLDS,
+                                      Verdict.UNRESOLVED: Verdict.HOLDS}[want]
+    assert verdict(every, batch_gains({}))[:2] == (Verdict.NA, "no value")
+    with pytest.raises(ClaimsError, match="claim 'c'"):  # neither cells nor a selection
+        spec(source="fig_batch", kind="sign", direction="positive", extension=True)
+
+
 @pytest.mark.parametrize("a, b, want", [(POS, NEG, Verdict.HOLDS), (NEG, POS, Verdict.FAILS),
                                         ([1.0, 2.0, 3.0, 4.0, 5.0], [1.5, 1.0, 3.5, 3.0, 5.5], Verdict.UNRESOLVED)])
 def test_greater_claim(a: list[float], b: list[float], want: Verdict) -> None:
@@ -450,6 +478,9 @@ def test_a_claim_added_in_yaml_alone_reaches_the_comparison(tmp_path: Path) -> N
                  ["cells"]} for f in ("fig4_budget", "fig5_storage")}
     absent |= {s["id"] for s in raw["claims"] if s.get("optional") and s["source"] in names
                and s.get("select", {}).get("name") not in (None, *names[s["source"]])}
+    # ... and a claim about a figure the committed run did not render (fig_batch: the extensions overlay's)
+    absent |= {s["id"] for s in raw["claims"] if s["source"].startswith("fig")
+               and not (COMMITTED / "figures" / f"{s['source']}.json").exists()}
     assert set(claims) == {s["id"] for s in raw["claims"]} - absent
     resident = claims["t4_resident_faster"]
     assert resident["source"] == "Table 4" and resident["verdict_reproduced"] == "holds" and "95 % CI" in \

@@ -265,7 +265,8 @@ def _dotted(path: Sequence[Any]) -> str:
     return out
 
 
-SELECTOR_KEYS = ("policy", "method", "storage", "mode", "column", "compute_opt", "m_max", "variant")  # and ``name``
+# and ``name``
+SELECTOR_KEYS = ("policy", "method", "storage", "mode", "column", "compute_opt", "m_max", "batch", "variant")
 
 
 @dataclass(frozen=True)
@@ -466,7 +467,7 @@ def _sweep(doc: TableDoc, spec: ClaimSpec) -> list[Cell]:
 
 def _present(spec: ClaimSpec, doc: TableDoc) -> bool:
     """Whether the reproduced figure has what an ``optional`` claim is about."""
-    if spec.kind == "sign":
+    if spec.kind == "sign" and "cells" in spec.ops:
         return all((c := _select_one(doc, s, spec, "cells")) is not None and c.value is not None
                    for s in spec.ops["cells"])
     if "over" in spec.ops:
@@ -646,20 +647,33 @@ def _param_ratio(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
 
 
 def _sign(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
-    """Every cell > 0 (``positive``) or ≤ 0 (``non_positive``): by their CIs when all have one, else the values."""
-    cs = [None if doc is None else _select_one(doc, s, spec, f"cells[{i}]") for i, s in enumerate(spec.ops["cells"])]
-    if doc is None or any(c is None or c.value is None for c in cs):
-        return Evaluation("not rendered" if doc is None else "no value", None)
-    cells = [c for c in cs if c is not None]
+    """Every cell > 0 (``positive``) or ≤ 0 (``non_positive``): the listed ``cells``, or every ``select``ed cell with
+    a value (e.g. one per storage and batch size, each shown with ``item``'s keys); by their CIs when all have one,
+    else the values."""
+    if doc is None:
+        return Evaluation("not rendered", None)
+    if "cells" in spec.ops:
+        cs = [_select_one(doc, s, spec, f"cells[{i}]") for i, s in enumerate(spec.ops["cells"])]
+        if any(c is None or c.value is None for c in cs):
+            return Evaluation("no value", None)
+        cells = [c for c in cs if c is not None]
+    else:
+        cells = [c for c in doc.cells if spec.ops["select"].matches(c) and c.value is not None]
+        if not cells:
+            return Evaluation("no value", None)
     positive = spec.ops["direction"] == "positive"
     cis = [cell_ci(c) for c in cells]
+
+    def shown(c: Cell, text: str) -> str:
+        return f"{_item(spec.ops['item'], c, spec)} {text}" if "item" in spec.ops else text
+
     if any(ci is None for ci in cis):
         values = [float(c.value or 0.0) for c in cells]
-        return Evaluation(", ".join(f"{v:+.2f}%" for v in values),
+        return Evaluation(", ".join(shown(c, f"{v:+.2f}%") for c, v in zip(cells, values, strict=True)),
                           all(v > 0 for v in values) if positive else all(v <= 0 for v in values))
     decided = [ci for ci in cis if ci is not None]
     v, why = combine([decide_sign(ci, positive=positive) for ci in decided])
-    return Evaluation(", ".join(fmt_ci(ci, 2, "%") for ci in decided), v, why)
+    return Evaluation(", ".join(shown(c, fmt_ci(ci, 2, "%")) for c, ci in zip(cells, decided, strict=True)), v, why)
 
 
 def _within(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
