@@ -762,7 +762,7 @@ def check_window_profile(profile: Mapping[str, Any], where: str, required: Seque
 
 
 _WINDOW_SIM_INPUTS = ("n_layers", "n_experts", "top_k", "payload_bytes", "io_workers", "compute", "transfer_ms",
-                      "transfer_cpu_ms", "physical_model")
+                      "transfer_cpu_ms", "physical_model", "io_interference", "compute_lockstep")
 
 
 _ROUTING_METRICS = ("tokens_per_s", "ready_recall", "hits", "misses", "prefetched", "wasted", "stall_ms")

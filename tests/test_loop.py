@@ -296,3 +296,51 @@ def test_one_replay_input_for_events_and_records(store: ExpertStore, tmp_path: P
     assert a[0].steps[0].n_tokens == 2 and a[0].steps[1].scores[0] is not None
     with pytest.raises(Exception, match="not recorded"):
         sequences_from_record([{"step": 0, "layer": 0, "topk": None, "scores": None}], 1)
+
+
+def test_the_compute_the_io_takes_is_charged_per_demand_load_issuing_layer_and_prefetch() -> None:
+    """The profile's fit of how the I/O slows the model's compute (window.fit_interference) is charged by the
+    simulator: per load the compute thread performs itself, per layer that issues prefetches and per prefetch; with
+    instant transfers (decisions that do not depend on time) each adds exactly its count times its cost."""
+    g = torch.Generator().manual_seed(3)
+    steps = [SimStep(topk=[[sorted(torch.randperm(8, generator=g)[:2].tolist())] for _ in range(3)],
+                     scores=[torch.rand(8, generator=g), torch.rand(8, generator=g), None]) for _ in range(6)]
+    zero = [0.0] * 3
+
+    def run(a: float, b: float, c: float) -> Any:
+        prof = ComputeProfile(zero, [1e-4] * 3, zero, [1e-3] * 3, zero, 1e-3, cpu_per_prefetch_s=b,
+                              cpu_per_issue_s=a, cpu_per_demand_s=c)
+        return simulate([SimSequence(steps)], "specprefetch", 3, 8, 8, 2, prof, StorageProfile("ram", "ram"), 1,
+                        fixed_transfer_s=0.0)
+
+    base = run(0.0, 0.0, 0.0)
+    dec = [ev for ev in base.events if ev.step > 0]  # the first step is the prefill: not in decode_s
+    n_issue, n_pf, n_dem = sum(1 for ev in dec if ev.issued), sum(len(ev.issued) for ev in dec), \
+        sum(ev.misses for ev in dec)
+    assert n_issue and n_pf > n_issue and n_dem, "the script exercises all three"
+    for (a, b, c), count in (((1e-3, 0, 0), n_issue), ((0, 1e-3, 0), n_pf), ((0, 0, 1e-3), n_dem)):
+        got = run(a, b, c)
+        assert got.decode_s - base.decode_s == pytest.approx(1e-3 * count), (a, b, c)
+        assert [ev.issued for ev in got.events] == [ev.issued for ev in base.events]
+
+
+def test_the_profiles_fit_of_the_compute_the_io_takes() -> None:
+    """fit_interference recovers the costs a host with known costs would show, and never gives a negative cost."""
+    from specprefetch.runtime.measurement.window import fit_interference
+
+    per_demand, per_issue, per_pf = 0.15, 0.5, 0.1
+
+    def load(pred: float, demand: float, issues: float = 0.0, pf: float = 0.0) -> dict[str, float]:
+        return {"compute_ms": pred + per_demand * demand + per_issue * issues + per_pf * pf, "demand": demand,
+                "issues": issues, "prefetches": pf}
+
+    resident, off, predicting = load(30.0, 0.0), load(30.0, 45.0), load(31.0, 45.0)
+    fit = fit_interference(resident, off, predicting, [load(31.0, 40.0, 10.0, 10.0), load(31.0, 30.0, 10.0, 55.0)])
+    assert fit == pytest.approx({"cpu_per_demand_ms": per_demand, "cpu_per_issue_ms": per_issue,
+                                 "cpu_per_prefetch_ms": per_pf})
+    # more prefetches made the compute faster: no negative cost, the one cost that fits best alone
+    fewer = {"compute_ms": 40.0, "demand": 45.0, "issues": 10.0, "prefetches": 10.0}
+    odd = fit_interference(resident, off, predicting, [fewer, {**fewer, "compute_ms": 38.0, "prefetches": 55.0}])
+    assert min(odd.values()) >= 0.0 and (odd["cpu_per_issue_ms"] == 0.0 or odd["cpu_per_prefetch_ms"] == 0.0)
+    none = fit_interference(resident, load(29.0, 0.0), predicting, [])
+    assert none == {"cpu_per_demand_ms": 0.0, "cpu_per_issue_ms": 0.0, "cpu_per_prefetch_ms": 0.0}

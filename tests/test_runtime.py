@@ -567,6 +567,16 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         fl = prof["disk_fluctuation"]  # the cold disk's batch medians, in ms, and their spread
         assert len(fl["batch_median_ms"]) == fl["batches"] and fl["min_ms"] <= fl["max_ms"] <= fl["read_max_ms"]
         assert fl["cv_pct"] >= 0 and fl["batch_s"] > 0
+        # what the I/O takes from the compute, fitted on a lockstep block of the reference storage's OFF, resident,
+        # predicting and prefetching runs (M = 1 and K), and the loads it was fitted to; the block's compute
+        lock = prof["compute_lockstep"]
+        assert set(lock) == {"opt", "pred", "loop", "loop_scale"} and lock["loop_scale"] > 0
+        assert len(lock["opt"]["moe_s"]) == spec.n_layers and all(t > 0 for t in lock["opt"]["moe_s"])
+        io = prof["io_interference"]
+        assert all(io[k] >= 0 for k in ("cpu_per_demand_ms", "cpu_per_issue_ms", "cpu_per_prefetch_ms"))
+        assert set(io["runs"]) == {"resident", "off", "predicting", "prefetching_m1", f"prefetching_m{spec.top_k}"}
+        assert io["runs"]["resident"]["demand"] == 0 < io["runs"]["off"]["demand"]
+        assert io["runs"]["prefetching_m1"]["prefetches"] < io["runs"][f"prefetching_m{spec.top_k}"]["prefetches"]
         rows = bench_runtime(h, prof, "tiny", "test-cpu", tmp_path / "runs.csv", routing_out=tmp_path / "r.safetensors")
     finally:
         h.close()
@@ -1534,6 +1544,13 @@ def test_pre_attention_prefetches_before_the_layers_attention(setup: dict[str, A
         assert window_ms(ev, nxt) == pytest.approx((nxt.t_exec - ev.t_pred) * 1e3)
     assert all(ev.t_pred is None for ev in dec if ev.layer + 1 == n_layers)
     assert sum(ev.prefetch_used + ev.prefetch_wasted + ev.prefetch_cancelled for ev in dec) > 0
+    # its compute profile (the routing record's timings, the simulator's run inputs): every duration >= 0, the
+    # prediction in the gap to the next layer, not in the layer's own prediction durations
+    from specprefetch.runtime.measurement.window import compute_profile
+
+    comp = compute_profile(rt.events, n_layers)
+    assert all(v >= 0 for k in ("book_s", "pred_s", "post_pred_s", "moe_s", "gap_s") for v in comp[k])
+    assert comp["pred_s"] == comp["post_pred_s"] == [0.0] * n_layers and comp["head_s"] >= 0
     # the priorities of the last step's layer 1 are the predictor's on layer 1's pre-attention input
     pred = rt.provider.pred
     with RouterCapture(setup["model"], spec, pre_attention=True) as cap:  # the same run, its norms' outputs captured

@@ -40,11 +40,12 @@ import statistics
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -274,13 +275,15 @@ def pre_attention_windows(events: list[LayerEvent]) -> list[float]:
 
 
 def compute_profile(events: list[LayerEvent], n_layers: int) -> dict[str, Any]:
-    """Mean per-layer durations (s) of a run's events with every expert resident: the simulator's compute model."""
+    """Mean per-layer durations (s) of a run's events with every expert resident: the simulator's compute model. A
+    pre-attention prediction (``early``) came after its layer, before the next one's attention: it is part of the
+    gap to the next layer, not of the layer's own prediction durations."""
     evs = [ev for ev in events if ev.decode]
     by = {(ev.step, ev.layer): ev for ev in evs}
     book, pred, post, moe, gap = (defaultdict(list) for _ in range(5))
     head = []
     for (step, layer), ev in by.items():
-        if ev.t_pred is not None:
+        if ev.t_pred is not None and not ev.early:
             pred[layer].append(ev.t_pred - ev.t_exec)
             post[layer].append(ev.t_compute - ev.t_pred)
         book[layer].append(ev.t_compute - ev.t_exec)
@@ -304,6 +307,78 @@ def compute_profile(events: list[LayerEvent], n_layers: int) -> dict[str, Any]:
         "gap_s": [mean(gap, i) for i in range(n_layers)],
         "head_s": statistics.fmean(head) if head else 0.0,
     }
+
+
+def _total_s(comp: Mapping[str, Any]) -> float:
+    """A compute profile's time per decoding step (s): bookkeeping and prediction, experts, gaps and the head."""
+    return sum(comp["book_s"]) + sum(comp["moe_s"]) + sum(comp["gap_s"]) + comp["head_s"]
+
+
+def step_load(res: RunResult, n_layers: int) -> dict[str, float]:
+    """What a run's decoding steps cost its compute thread and what they asked of the I/O, per decoding step: the
+    compute (``compute_ms``: bookkeeping and prediction, the experts without their stalls, the gaps between layers
+    and the head, as :func:`compute_profile` measures them), demand loads, prefetches issued, and layers that issued
+    at least one prefetch."""
+    comp = compute_profile(res.events, n_layers)
+    dec = [ev for ev in res.events if ev.decode]
+    steps = max(1, sum(1 for ev in dec if ev.layer == 0))
+    return {"compute_ms": _total_s(comp) * 1e3,
+            "demand": sum(ev.misses for ev in dec) / steps,
+            "prefetches": sum(len(ev.issued) for ev in dec) / steps,
+            "issues": sum(1 for ev in dec if ev.issued) / steps}
+
+
+def fit_interference(resident: Mapping[str, float], off: Mapping[str, float], predicting: Mapping[str, float],
+                     prefetching: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The host CPU the I/O takes from the model's compute, per decoding step, from :func:`step_load` of four kinds of
+    run on one storage: all resident, OFF (demand loads only), predicting without issuing, and prefetching at two
+    budgets. On a small host a load does not only cost its own CPU: the compute slows while loads run beside it.
+
+    - ``cpu_per_demand_ms``: OFF's extra compute over all-resident, per demand load.
+    - ``cpu_per_issue_ms`` and ``cpu_per_prefetch_ms``: a prefetching run's extra compute over the predicting run
+      (less the demand loads' share), as a cost per layer that issues prefetches (the I/O workers woken beside the
+      compute) plus one per prefetch, fitted exactly to the two budgets (least squares, both >= 0).
+    Each is >= 0; a quantity the runs cannot separate (no demand loads, no prefetches) is 0."""
+    demand = max(0.0, (off["compute_ms"] - resident["compute_ms"]) / off["demand"]) if off["demand"] > 0 else 0.0
+    rows = [(r["issues"], r["prefetches"],
+             r["compute_ms"] - predicting["compute_ms"] - demand * (r["demand"] - predicting["demand"]))
+            for r in prefetching if r["prefetches"] > 0]
+    issue = per = 0.0
+    if rows:
+        a = np.array([[i, p] for i, p, _ in rows], dtype=float)
+        y = np.array([v for _, _, v in rows], dtype=float)
+        if len(rows) >= 2 and abs(np.linalg.det(a[:2].T @ a[:2])) > 1e-9:
+            issue, per = (float(v) for v in np.linalg.lstsq(a, y, rcond=None)[0])
+        if len(rows) < 2 or issue < 0 or per < 0:  # one cost only: the one that fits the runs best alone
+            fits = [(float(np.sum((y - a[:, j] * c) ** 2)), j, c)
+                    for j in (0, 1) for c in [max(0.0, float(a[:, j] @ y) / max(float(a[:, j] @ a[:, j]), 1e-12))]]
+            _, j, c = min(fits)
+            issue, per = (c, 0.0) if j == 0 else (0.0, c)
+    return {"cpu_per_demand_ms": demand, "cpu_per_issue_ms": issue, "cpu_per_prefetch_ms": per}
+
+
+def lockstep_compute(harness: Harness, policy: str, prompts: list[Any]) -> dict[str, Any]:
+    """The compute as the benchmark's lockstep blocks see it (runs taking turns token by token, each finding the
+    CPU's caches holding another's state), from one lockstep block of five runs on the reference storage: OFF,
+    all-resident, ``policy`` predicting with every expert resident (nothing to issue), and ``policy`` prefetching at
+    M = 1 and at M = K. Gives the simulator's all-resident and predicting compute (``opt``, ``pred``; ``loop``, the
+    compute without compute_opt, is the single run's scaled by the block's all-resident over the single one's, as
+    the block has no such run) and :func:`fit_interference` with the loads it was fitted to (``io_interference``)."""
+    ref = harness.settings["reference_storage"]
+    k = int(harness.spec.top_k)
+    runs = {"off": {"policy": "off", "storage": ref}, "resident": {"policy": "resident", "storage": "ram"},
+            "predicting": {"policy": policy, "storage": "ram", "m_max": k, "preload": True},
+            "prefetching_m1": {"policy": policy, "storage": ref, "m_max": 1},
+            f"prefetching_m{k}": {"policy": policy, "storage": ref, "m_max": k}}
+    log.info("timing the compute in a lockstep block (%s)", ", ".join(runs))
+    res = dict(zip(runs, harness.run_lockstep(list(runs.values()), seed="profile", prompts=prompts), strict=True))
+    n_layers = len(harness.blocks)
+    loads = {name: step_load(r, n_layers) for name, r in res.items()}
+    fit = fit_interference(loads["resident"], loads["off"], loads["predicting"],
+                           [loads["prefetching_m1"], loads[f"prefetching_m{k}"]])
+    return {"opt": compute_profile(res["resident"].events, n_layers),
+            "pred": compute_profile(res["predicting"].events, n_layers),
+            "io_interference": {**fit, "runs": loads}}
 
 
 def decoding_transfers(res: RunResult) -> list[Any]:
@@ -398,6 +473,14 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
                      / max(1, sum(1 for r in event_rows if r["M"] == m))) for m in demand_m},
         "provenance": provenance(config_fragment),
     }
+    block = lockstep_compute(harness, prefetching_policy(harness), prompts)
+    single = profile["compute"]
+    scale = _total_s(block["opt"]) / max(_total_s(single["opt"]), 1e-12)
+    profile["compute_lockstep"] = {"opt": block["opt"], "pred": block["pred"],
+                                   "loop": {k: ([v * scale for v in val] if isinstance(val, list) else val * scale)
+                                            for k, val in single["loop"].items()},
+                                   "loop_scale": scale}
+    profile["io_interference"] = block["io_interference"]
     curve_rows = None
     if budget_model is not None:
         keys, curve_rows = budget_model(profile, routing_rows(win.candidates.events))
@@ -554,13 +637,18 @@ class _Transfers:
     fluctuation: dict[str, Any] | None
 
 
+def prefetching_policy(harness: Harness) -> str:
+    """The policy the profile prefetches with: SpecPrefetch where its predictor is given, else FATE, else Naive."""
+    return next(p for p in ("specprefetch", "fate", "naive") if p == "naive" or p in harness.providers)
+
+
 def _measure_transfers(harness: Harness, prompts: list[Any]) -> _Transfers:
     """Isolated loads on every storage, then each storage's service time in a prefetching run at M = K."""
     log.info("measuring per-expert transfer times")
     settings = harness.settings
     storages = budget_storages(settings)
     table = transfer_table(harness, storages, int(settings["window"]["transfer_samples"]))
-    policy = next(p for p in ("specprefetch", "fate", "naive") if p == "naive" or p in harness.providers)
+    policy = prefetching_policy(harness)
     runtime_ms = {st: service_transfer_ms(harness.run(policy, st, m_max=int(harness.spec.top_k), prompts=prompts))
                   for st in storages}
     used_ms = {st: (runtime_ms[st] if math.isfinite(runtime_ms[st]) else table[st]["transfer_ms"]) for st in storages}

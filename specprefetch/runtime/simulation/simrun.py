@@ -107,9 +107,18 @@ def profile_inputs(profile: dict[str, Any], storage: str, settings: dict[str, An
                    compute_opt: bool = True) -> tuple[ComputeProfile, StorageProfile, float | None]:
     """What the window profile alone says of a run on ``storage``: (compute model, device model, fixed transfer s).
     The compute is the profile's all-resident per-layer durations plus, per transfer, the worker hand-off
-    (:func:`local_storage`) and the host CPU a load takes from compute (``transfer_cpu_ms``: the cold disk's, or a
-    page-cache read's for the emulated and RAM storages)."""
+    (:func:`local_storage`) and the compute the I/O takes from the model: where the profile fitted it
+    (``io_interference``, ``window.fit_interference``: per demand load, per layer that issues prefetches and per
+    prefetch, measured as the slowdown of the model's compute in its OFF and prefetching runs) that fit, else the
+    host CPU an isolated load takes (``transfer_cpu_ms``: the cold disk's, or a page-cache read's for the emulated
+    and RAM storages) per prefetch."""
     device, fixed, overhead = local_storage(profile, storage, settings)
+    fit = profile.get("io_interference")
+    if isinstance(fit, Mapping):
+        return ComputeProfile.from_profile(profile, compute_opt, overhead,
+                                           float(fit["cpu_per_prefetch_ms"]) * 1e-3,
+                                           float(fit["cpu_per_issue_ms"]) * 1e-3,
+                                           float(fit["cpu_per_demand_ms"]) * 1e-3), device, fixed
     cpu_ms = profile.get("transfer_cpu_ms", {}).get("nvme_cold" if storage == "nvme_cold" else "ram", 0.0)
     return ComputeProfile.from_profile(profile, compute_opt, overhead, float(cpu_ms) * 1e-3), device, fixed
 

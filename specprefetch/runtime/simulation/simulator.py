@@ -21,6 +21,7 @@ the provider the runtime runs (:func:`~specprefetch.runtime.core.priority.builti
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -78,12 +79,21 @@ class ComputeProfile:
     head_s: float         # t_done(L-1) -> t_exec(0) of the next step: head, sampling, embedding, dense layers
     io_overhead_s: float = 0.0  # per transfer (worker hand-off)
     cpu_per_prefetch_s: float = 0.0  # host CPU a worker-served transfer takes from the compute thread
+    cpu_per_issue_s: float = 0.0  # ... a layer that issues prefetches (its workers woken beside the compute)
+    cpu_per_demand_s: float = 0.0  # ... a load the compute thread performs itself (a demand load)
 
     @classmethod
     def from_profile(cls, prof: dict[str, Any], compute_opt: bool, io_overhead_s: float = 0.0,
-                     cpu_per_prefetch_s: float = 0.0) -> ComputeProfile:
-        base = prof["compute"]["opt" if compute_opt else "loop"]
-        return cls.of(base, prof["compute"]["pred"], io_overhead_s, cpu_per_prefetch_s)
+                     cpu_per_prefetch_s: float = 0.0, cpu_per_issue_s: float = 0.0,
+                     cpu_per_demand_s: float = 0.0) -> ComputeProfile:
+        comp = prof.get("compute_lockstep") or prof["compute"]  # as the benchmark's lockstep blocks compute
+        base = comp["opt" if compute_opt else "loop"]
+        return dataclasses.replace(cls.of(base, comp["pred"], io_overhead_s, cpu_per_prefetch_s),
+                                   cpu_per_issue_s=cpu_per_issue_s, cpu_per_demand_s=cpu_per_demand_s)
+
+    def issue_cpu_s(self, issued: Sequence[int]) -> float:
+        """The host CPU a prediction step's issue of ``issued`` takes from the compute thread."""
+        return self.cpu_per_prefetch_s * len(issued) + (self.cpu_per_issue_s if issued else 0.0)
 
     @classmethod
     def of(cls, base: dict[str, Any], pred: dict[str, Any] | None = None, io_overhead_s: float = 0.0,
@@ -130,8 +140,9 @@ class _SimIO:
     """
 
     def __init__(self, cache: ExpertCache, storage: StorageProfile, n_workers: int, overhead_s: float,
-                 fixed_s: float | None) -> None:
+                 fixed_s: float | None, load_cpu_s: float = 0.0) -> None:
         self.cache = cache
+        self.load_cpu_s = load_cpu_s  # the compute a load it performs itself costs the compute thread after it
         self.model = BandwidthModel(storage) if storage.emulated else None
         self.fifo = not storage.demand_first  # device.io_order (runtime.core.transfer)
         self.fixed_s = fixed_s
@@ -231,7 +242,7 @@ class _SimIO:
         del self.active[tr.key]
         self.cache.fill(tr.key)
         self._wake(tr.t_end)
-        self.clock = tr.t_end
+        self.clock = tr.t_end + (self.load_cpu_s if tr.charged else 0.0)
 
     def wait(self, tr: _Tr) -> None:
         """The compute thread waits for the running ``tr``: completions are settled in time order until it is."""
@@ -356,7 +367,7 @@ class _SimWork:
     def prepared(self, ev: LayerEvent, predicted: bool, batched: bool) -> None:
         c, l = self.compute, self.layer
         if predicted:
-            self.io.account(c.post_pred_s[l] + c.cpu_per_prefetch_s * len(ev.issued))
+            self.io.account(c.post_pred_s[l] + c.issue_cpu_s(ev.issued))
         else:
             self.io.account(c.book_s[l])
         self.per_expert = c.moe_s[l] / max(1, len(ev.required))
@@ -370,7 +381,7 @@ class _SimWork:
 
     def issued(self, ev: LayerEvent) -> None:
         """A pre-attention prediction's selection and issue, after its priorities (``scores``)."""
-        self.io.account(self.compute.post_pred_s[ev.layer] + self.compute.cpu_per_prefetch_s * len(ev.issued))
+        self.io.account(self.compute.post_pred_s[ev.layer] + self.compute.issue_cpu_s(ev.issued))
 
     def finish(self, provider: PriorityProvider | None) -> None:
         if provider is None or self.replay is None or self.replay.live is None:
@@ -415,7 +426,7 @@ def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity
     cache = ExpertCache(cap)
     if preload:
         cache.preload((l, e) for l in range(n_layers) for e in range(n_experts))
-    io = _SimIO(cache, storage, io_workers, compute.io_overhead_s, fixed_transfer_s)
+    io = _SimIO(cache, storage, io_workers, compute.io_overhead_s, fixed_transfer_s, compute.cpu_per_demand_s)
     replay = replay_provider(policy, n_layers, n_experts, lookahead)
     loop = LayerLoop(cache, io, replay, pol.issues, n_layers, n_experts,
                      lambda layer: layer_budget(m_max, layer_m_max, layer),
