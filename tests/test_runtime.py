@@ -544,7 +544,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     store = ExpertStore(build_expert_store(model, tmp_path / "store", spec))
     s = section_defaults("device", {"n_prompts": 1, "max_new_tokens": 5, "repeats": 1, "io_workers": 2,
                                  "storages": ["nvme_cold", "slow_ufs"],
-                                 "experiments": ["main", "matched", "component", "lookahead"],
+                                 "experiments": ["main", "matched", "component", "lookahead", "pre_attention"],
                                  "lookahead": {"distances": [1, 2], "storages": ["nvme_cold"]},
                                  "window": {"n_prompts": 1, "demand_m": [2, 4], "transfer_samples": 4},
                                  "cache": {"capacity_experts": 8}, "max_block_runs": 6})
@@ -554,6 +554,8 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     providers["specprefetch"] = lambda: PredictorPriority(adapter)
     ahead = random_adapter(spec, lookahead=2)
     providers["specprefetch.d2"] = lambda: PredictorPriority(ahead)
+    pre = random_adapter(spec, method="pre_attention")
+    providers["pre_attention"] = lambda: PredictorPriority(pre)
     h = Harness(model, spec, store, s, prompts, providers)
     from specprefetch.runtime.simulation.budget_model import budget_curves
 
@@ -620,7 +622,11 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     m1 = int(prof["m_max_per_storage"]["nvme_cold"])
     m2 = derive_m_max(2 * prof["window_ms_median"], prof["transfer_ms_used"]["nvme_cold"], spec.n_experts)
     control = int(m2 != m1)
-    assert list(got[0])[:17] == RUN_COLUMNS[:17] and len(got) == len(rows) == 6 + 8 + 4 + 3 + control
+    # the pre_attention experiment on the reference and the slow storage: OFF, SpecPrefetch, and the pre-attention
+    # policy at its own budget and at SpecPrefetch's (one run where they are the same)
+    pre_runs = sum(3 + int(prof["m_max_pre_attention_per_storage"][st] != prof["m_max_per_storage"][st])
+                   for st in ("nvme_cold", "slow_ufs"))
+    assert list(got[0])[:17] == RUN_COLUMNS[:17] and len(got) == len(rows) == 6 + 8 + 4 + 3 + control + pre_runs
     ahead_rows = {(int(r["lookahead"]), int(r["m_max"])): r for r in got
                   if r["experiment"] == "lookahead" and r["policy"] != "off"}
     assert set(ahead_rows) == {(1, m1), (2, m2), (1, m2)}
@@ -652,7 +658,10 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     assert by[("component", "off", "nvme_cold", "true")]["tokens_sha256"] == by[("main", "off", "nvme_cold",
                                                                                  "true")]["tokens_sha256"]
     # runs: main's, component's + d2 (+ its control), slow_ufs's
-    assert len({(r["block"], r["run_order"]) for r in got}) == 6 + 5 + control + 4
+    # and those the pre_attention experiment measured itself: at least the pre-attention policy's
+    own = {(r["block"], r["run_order"]) for r in got if r["measured_in"] == "pre_attention"}
+    assert len(own) >= len({(r["storage"], r["m_max"]) for r in got if r["policy"] == "pre_attention"}) > 0
+    assert len({(r["block"], r["run_order"]) for r in got}) == 6 + 5 + control + 4 + len(own)
     from specprefetch.contracts import ROUTING_FORMAT, load_tensor_tree
     from specprefetch.runtime.simulation.simrun import check_routing_record
 
