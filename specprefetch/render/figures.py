@@ -814,9 +814,12 @@ def _lookahead_runtime_panel(ax: Any, rt: LookaheadRuntime, storage: str, cells:
                 if bound in pts.columns and math.isfinite(getattr(r, bound)):
                     ax.plot([d], [getattr(r, bound)], marker="_", markersize=9, markeredgewidth=1.4,
                             color="black", linestyle="none", label="bound" if d == int(pts["d"].min()) else None)
-                ax.annotate(f"{_gain_label(r.gain_pct_stats.mean)}\n$M$={key['m_max']}", xy=(d, top),
+                ax.annotate(f"{r.gain_pct_stats.mean:+.0f}%\n$M$={key['m_max']}", xy=(d, top),  # narrow panels
                             xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=5.5,
                             color=c)
+    ds = sorted({int(d) for d in part["d"]})
+    if ds:  # room for the gain labels centred on the first and last d
+        ax.set_xlim(ds[0] - 0.45, ds[-1] + 0.45)
     win = rt.window[rt.window["storage"] == storage] if not rt.window.empty else rt.window
     for r in win.itertuples():
         cells.append(_stat_cell(f"runtime/{storage}/d{int(r.d)}/window_gain", "gain", r.window_pct_stats,
