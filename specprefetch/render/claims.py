@@ -265,7 +265,7 @@ def _dotted(path: Sequence[Any]) -> str:
     return out
 
 
-# and ``name``
+# the keys a cell selector matches by, besides ``name`` (the last part of a cell's id)
 SELECTOR_KEYS = ("policy", "method", "storage", "mode", "column", "compute_opt", "m_max", "batch", "variant")
 
 

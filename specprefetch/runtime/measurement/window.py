@@ -314,12 +314,11 @@ def _total_s(comp: Mapping[str, Any]) -> float:
     return sum(comp["book_s"]) + sum(comp["moe_s"]) + sum(comp["gap_s"]) + comp["head_s"]
 
 
-def step_load(res: RunResult, n_layers: int) -> dict[str, float]:
+def step_load(res: RunResult, comp: Mapping[str, Any]) -> dict[str, float]:
     """What a run's decoding steps cost its compute thread and what they asked of the I/O, per decoding step: the
     compute (``compute_ms``: bookkeeping and prediction, the experts without their stalls, the gaps between layers
-    and the head, as :func:`compute_profile` measures them), demand loads, prefetches issued, and layers that issued
-    at least one prefetch."""
-    comp = compute_profile(res.events, n_layers)
+    and the head, from the run's :func:`compute_profile` ``comp``), demand loads, prefetches issued, and layers that
+    issued at least one prefetch."""
     dec = [ev for ev in res.events if ev.decode]
     steps = max(1, sum(1 for ev in dec if ev.layer == 0))
     return {"compute_ms": _total_s(comp) * 1e3,
@@ -372,13 +371,11 @@ def lockstep_compute(harness: Harness, policy: str, prompts: list[Any]) -> dict[
             f"prefetching_m{k}": {"policy": policy, "storage": ref, "m_max": k}}
     log.info("timing the compute in a lockstep block (%s)", ", ".join(runs))
     res = dict(zip(runs, harness.run_lockstep(list(runs.values()), seed="profile", prompts=prompts), strict=True))
-    n_layers = len(harness.blocks)
-    loads = {name: step_load(r, n_layers) for name, r in res.items()}
+    comps = {name: compute_profile(r.events, len(harness.blocks)) for name, r in res.items()}
+    loads = {name: step_load(r, comps[name]) for name, r in res.items()}
     fit = fit_interference(loads["resident"], loads["off"], loads["predicting"],
                            [loads["prefetching_m1"], loads[f"prefetching_m{k}"]])
-    return {"opt": compute_profile(res["resident"].events, n_layers),
-            "pred": compute_profile(res["predicting"].events, n_layers),
-            "io_interference": {**fit, "runs": loads}}
+    return {"opt": comps["resident"], "pred": comps["predicting"], "io_interference": {**fit, "runs": loads}}
 
 
 def decoding_transfers(res: RunResult) -> list[Any]:

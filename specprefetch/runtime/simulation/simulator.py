@@ -21,7 +21,6 @@ the provider the runtime runs (:func:`~specprefetch.runtime.core.priority.builti
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import logging
@@ -87,9 +86,8 @@ class ComputeProfile:
                      cpu_per_prefetch_s: float = 0.0, cpu_per_issue_s: float = 0.0,
                      cpu_per_demand_s: float = 0.0) -> ComputeProfile:
         comp = prof.get("compute_lockstep") or prof["compute"]  # as the benchmark's lockstep blocks compute
-        base = comp["opt" if compute_opt else "loop"]
-        return dataclasses.replace(cls.of(base, comp["pred"], io_overhead_s, cpu_per_prefetch_s),
-                                   cpu_per_issue_s=cpu_per_issue_s, cpu_per_demand_s=cpu_per_demand_s)
+        return cls.of(comp["opt" if compute_opt else "loop"], comp["pred"], io_overhead_s, cpu_per_prefetch_s,
+                      cpu_per_issue_s, cpu_per_demand_s)
 
     def issue_cpu_s(self, issued: Sequence[int]) -> float:
         """The host CPU a prediction step's issue of ``issued`` takes from the compute thread."""
@@ -97,11 +95,13 @@ class ComputeProfile:
 
     @classmethod
     def of(cls, base: dict[str, Any], pred: dict[str, Any] | None = None, io_overhead_s: float = 0.0,
-           cpu_per_prefetch_s: float = 0.0) -> ComputeProfile:
+           cpu_per_prefetch_s: float = 0.0, cpu_per_issue_s: float = 0.0,
+           cpu_per_demand_s: float = 0.0) -> ComputeProfile:
         """From a ``window.compute_profile`` dict (``pred``: the one whose prediction durations to take)."""
         pred = pred or base
         return cls(list(base["book_s"]), list(pred["pred_s"]), list(pred["post_pred_s"]), list(base["moe_s"]),
-                   list(base["gap_s"]), float(base["head_s"]), io_overhead_s, cpu_per_prefetch_s)
+                   list(base["gap_s"]), float(base["head_s"]), io_overhead_s, cpu_per_prefetch_s, cpu_per_issue_s,
+                   cpu_per_demand_s)
 
     def check(self, n_layers: int) -> None:
         for name in ("book_s", "pred_s", "post_pred_s", "moe_s", "gap_s"):
