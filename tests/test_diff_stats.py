@@ -268,12 +268,16 @@ def test_the_sweeps_argmax_may_move_within_a_tie_but_not_past_one(tmp_path: Path
     assert rc == 1 and "FAIL  peak_m_max: 16 -> 4 (-12, -75.0%; m_max tolerance exact)" in out, out
 
 
-def _comparison(d: Path, verdicts: dict[str, str]) -> None:
+def _comparison(d: Path, verdicts: dict[str, str], tests: dict[str, list[dict]] | None = None) -> None:
     import json
 
-    claims = [{"id": cid, "statement": f"claim {cid}", "verdict_reproduced": v, "device": not cid.startswith("t1")}
-              for cid, v in verdicts.items()]
+    claims = [{"id": cid, "statement": f"claim {cid}", "verdict_reproduced": v, "device": not cid.startswith("t1"),
+               **({"tests": tests[cid]} if tests and cid in tests else {})} for cid, v in verdicts.items()]
     (d / "comparison.json").write_text(json.dumps({"profile": "embedded", "claims": claims}))
+
+
+def _test(mean: float, half: float = 1.0, key: str = "", **kw: object) -> dict:
+    return {"key": key, "mean": mean, "lo": mean - half, "hi": mean + half, "n": 6, **kw}
 
 
 def test_device_claim_verdicts_of_a_rerun(tmp_path: Path) -> None:
@@ -321,3 +325,40 @@ def test_verdicts_across_runs(tmp_path: Path) -> None:
     for bad in ([str(runs[0])], [str(runs[0]), str(tmp_path)]):
         rc, out = _run_cli("compare-verdicts", *bad)
         assert rc == 2 and "Traceback" not in out and ("two or more" in out or "no comparison.json" in out), out
+
+
+def test_verdicts_across_runs_pool_the_runs_effects(tmp_path: Path) -> None:
+    """Runs that keep their tests are pooled where they do not all decide a claim alike: each run's effect one value,
+    its mean's 95 % t-interval over the runs (t with k - 1 df), decided as the run's test is; runs that all hold (or
+    all fail) keep that verdict; tests that do not match (other keys) fall back to the verdicts; a malformed test is
+    one line."""
+    from specprefetch.render.claims import Test, Verdict
+    from specprefetch.render.diff import pool_runs
+
+    runs = [tmp_path / f"r{i}" for i in range(3)]
+    rows = {  # claim: (verdict per run, effect per run)
+        "f5_slow_over_cold": (["holds", "unresolved", "holds"], [10.2, -2.5, 15.5]),  # the hours disagree
+        "t5_slow_over_cold": (["holds", "unresolved", "holds"], [5.0, 6.0, 7.0]),  # one run's CI too wide
+        "f4_bounded_peak": (["holds", "holds", "holds"], [0.56, 0.80, 0.30]),  # every hour: holds
+    }
+    for i, d in enumerate(runs):
+        d.mkdir()
+        _comparison(d, {cid: vs[i] for cid, (vs, _) in rows.items()} | {"x_keys": "unresolved"},
+                    {cid: [_test(es[i], rule="positive")] for cid, (_, es) in rows.items()}
+                    | {"x_keys": [_test(1.0, key=f"k{i}")]})
+    rc, out = _run_cli("compare-verdicts", *map(str, runs))
+    assert rc == 0, out
+    assert "| holds | unresolved | holds | **unresolved** (runs disagree) | +7.73 [-15.2, +30.7] |" in out, out
+    assert "| holds | unresolved | holds | **holds** (runs disagree) | +6 [+3.52, +8.48] |" in out, out
+    assert "| holds | holds | holds | **holds** | +0.553 [-0.0679, +1.17] |" in out, out
+    assert "| unresolved | unresolved | unresolved | **unresolved** | – |" in out, out  # keys differ: not pooled
+    assert "Across runs: 2 holds, 2 unresolved" in out, out
+    # an inverted test (profiled_at_peak: a lead of the peak fails the claim) and a tolerance, pooled
+    lead = [(Test.from_json(_test(m, inverted=True)),) for m in (1.0, 1.2, 1.1)]
+    assert pool_runs(lead)[0] is Verdict.FAILS
+    loss = [(Test.from_json(_test(m, rule="within", tolerance=3.0, key="nvme_cold")),) for m in (0.5, 1.0, 0.0)]
+    assert pool_runs(loss) == (Verdict.HOLDS, "+0.5 [-0.742, +1.74]")
+    assert pool_runs(loss[:1]) is None and pool_runs([*loss[:2], ()]) is None
+    _comparison(runs[2], {"f4_bounded_peak": "holds"}, {"f4_bounded_peak": [{"mean": 1.0, "rule": "sideways"}]})
+    rc, out = _run_cli("compare-verdicts", *map(str, runs))
+    assert rc == 2 and "Traceback" not in out and "claim 'f4_bounded_peak': tests:" in out, out

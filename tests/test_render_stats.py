@@ -95,6 +95,11 @@ def test_device_claim_is_decided_by_its_ci(gains: list[float], verdict: Verdict,
     assert c.verdict_reproduced is verdict and c.device
     assert c.holds_reproduced is verdict.holds  # True / False / None
     assert "95 % CI" in c.reproduced and "n=5" in c.reproduced
+    # the CI decision the verdict rests on is kept (comparison.json), and decides it again
+    (test,) = c.tests
+    assert test.key == "SpecPrefetch/gain" and test.rule == "positive" and test.ci.n == 5
+    assert test.ci.mean == pytest.approx(np.mean(gains)) and test.decide()[0] is verdict
+    assert c.to_json()["tests"] == [test.to_json()]
     if verdict is Verdict.UNRESOLVED:
         assert c.agrees is None and "contains 0" in c.reason
         assert np.mean(gains) > 0  # a positive mean no longer makes the claim hold
@@ -128,7 +133,7 @@ def test_paired_comparison_of_two_cells_uses_the_per_repeat_difference() -> None
         ci = bootstrap_ci(list(reps.values()))
         return Cell(cid, "gain", ci.mean, lo=ci.lo, hi=ci.hi, n=ci.n, repeats=reps)
 
-    outcome, diff, _ = greater(cell("A", a), cell("B", b), 2, "%")
+    outcome, diff, _, _ = greater(cell("A", a), cell("B", b), 2, "%")
     assert outcome is Verdict.HOLDS and "Δ +1.00%" in diff
     unpaired = (Cell("A", "gain", 8.0, lo=4.0, hi=12.0, n=4), Cell("B", "gain", 7.0, lo=3.0, hi=11.0, n=4))
     assert greater(*unpaired, 2, "%")[0] is Verdict.UNRESOLVED  # overlapping CIs, no pairs
@@ -344,3 +349,9 @@ def test_profiled_budget_at_the_sweeps_peak_is_decided_by_the_paired_ci(profiled
     c = evaluate_claim(spec, TableDoc("fig4_budget", "", "x", tp, meta={"profiled_m_max": profiled}), load_reported())
     assert c.verdict_reproduced is verdict
     assert c.reproduced.startswith(f"profiled {profiled}" if profiled != 3 else "the")
+    # its one test: the peak's lead over the profiled budget, inverted (a lead fails the claim); exactly 0 at the peak
+    if verdict is Verdict.NA:
+        assert c.tests == ()
+    else:
+        (test,) = c.tests
+        assert test.inverted and (test.ci.mean == 0.0 if profiled == 8 else test.decide()[0] is verdict)

@@ -98,6 +98,7 @@ class Claim:
     device: bool = False
     doc: str = ""
     extension: bool = False  # beyond the paper: no paper side, kept apart from the paper's claims
+    tests: tuple[Test, ...] = ()  # the CI decisions of a device claim's reproduced verdict (comparison.json keeps them)
 
     def __post_init__(self) -> None:
         self.verdict_reproduced = Verdict.of(self.verdict_reproduced)
@@ -121,7 +122,8 @@ class Claim:
         return {"id": self.id, "source": self.source, "statement": self.statement, "reproduced": self.reproduced,
                 "paper": self.paper, "holds_reproduced": self.holds_reproduced, "holds_paper": self.holds_paper,
                 "verdict_reproduced": self.verdict_reproduced.value, "verdict_paper": self.verdict_paper.value,
-                "reason": self.reason, "device": self.device, "agrees": self.agrees, "extension": self.extension}
+                "reason": self.reason, "device": self.device, "agrees": self.agrees, "extension": self.extension,
+                "tests": [t.to_json() for t in self.tests]}
 
 
 Outcome = bool | Verdict | None
@@ -134,6 +136,7 @@ class Evaluation:
     text: str
     outcome: Outcome
     reason: str = ""
+    tests: tuple[Test, ...] = ()  # the CI decisions a device outcome rests on
 
 
 # --------------------------------------------------------------------------------------------- CI decisions
@@ -201,24 +204,72 @@ def combine(verdicts: Sequence[tuple[Verdict, str]]) -> tuple[Verdict, str]:
     return Verdict.UNRESOLVED, next(r for v, r in verdicts if v is not Verdict.HOLDS)
 
 
-def greater(a: Cell, b: Cell, dec: int, unit: str) -> tuple[Verdict | bool, str, str]:
+_SWAPPED = {Verdict.HOLDS: Verdict.FAILS, Verdict.FAILS: Verdict.HOLDS}
+RULES = ("positive", "non_positive", "within")
+
+
+@dataclass(frozen=True)
+class Test:
+    """One CI decision a device claim rests on: an effect's CI (a gain, a paired difference, a loss) and what it
+    must show: > 0 (``positive``), ≤ 0 (``non_positive``) or within ±``tolerance`` (``within``); ``inverted`` when
+    the claim holds where the test fails (``profiled_at_peak``: "the peak is faster than the profiled budget" fails
+    it). ``key`` names the effect within its claim (a cell id, a row; "" for a claim's one effect), so the same
+    effect can be found in another run's comparison.json and the runs pooled (``render.diff.verdicts_across_runs``)."""
+
+    ci: CI
+    rule: str = "positive"
+    tolerance: float = 0.0
+    inverted: bool = False
+    key: str = ""
+
+    def decide(self, ci: CI | None = None) -> tuple[Verdict, str]:
+        """The verdict on this test's CI, or on another interval of the same effect (the runs pooled)."""
+        ci = self.ci if ci is None else ci
+        if self.rule == "within":
+            v, why = decide_within(ci, self.tolerance)
+        else:
+            v, why = decide_sign(ci, positive=self.rule == "positive")
+        return (_SWAPPED.get(v, v), why) if self.inverted else (v, why)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "mean": self.ci.mean, "lo": self.ci.lo, "hi": self.ci.hi, "n": self.ci.n,
+                "rule": self.rule, "tolerance": self.tolerance, "inverted": self.inverted}
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> Test:
+        """A test as comparison.json keeps it; a malformed one is a ``ValueError`` naming what is wrong."""
+        try:
+            ci = CI(float(d["mean"]), float(d["lo"]), float(d["hi"]), int(d["n"]))
+            test = Test(ci, str(d.get("rule", "positive")), float(d.get("tolerance", 0.0)),
+                        bool(d.get("inverted", False)), str(d.get("key", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"a test needs mean, lo, hi and n ({exc})") from None
+        if test.rule not in RULES:
+            raise ValueError(f"unknown rule {test.rule!r} (one of {', '.join(RULES)})")
+        return test
+
+
+def greater(a: Cell, b: Cell, dec: int, unit: str,
+            key: str = "") -> tuple[Verdict | bool, str, str, Test | None]:
     """a > b: by the paired CI of a - b (per repeat), else by the two CIs (holds iff a.lo > b.hi, fails iff a.hi <
-    b.lo), else by the values. Returns (outcome, the difference's text, reason)."""
+    b.lo), else by the values. Returns (outcome, the difference's text, reason, the paired difference's ``Test``
+    named ``key``; None when unpaired)."""
     d = paired_difference(a, b)
     if d is not None:
-        v, why = decide_sign(d)
-        return v, f"; Δ {fmt_ci(d, dec, unit)}", why
+        test = Test(d, key=key)
+        v, why = test.decide()
+        return v, f"; Δ {fmt_ci(d, dec, unit)}", why, test
     ca, cb = cell_ci(a), cell_ci(b)
     assert a.value is not None and b.value is not None
     if ca is not None and cb is not None:
         if not (ca.decidable and cb.decidable):
-            return Verdict.UNRESOLVED, "", "1 repeat: not decidable"
+            return Verdict.UNRESOLVED, "", "1 repeat: not decidable", None
         if ca.lo > cb.hi:
-            return Verdict.HOLDS, "", ""
+            return Verdict.HOLDS, "", "", None
         if ca.hi < cb.lo:
-            return Verdict.FAILS, "", ""
-        return Verdict.UNRESOLVED, "", f"the two {_PCT} CIs overlap (unpaired)"
-    return a.value > b.value, "", ""
+            return Verdict.FAILS, "", "", None
+        return Verdict.UNRESOLVED, "", f"the two {_PCT} CIs overlap (unpaired)", None
+    return a.value > b.value, "", "", None
 
 
 @dataclass(frozen=True)
@@ -672,8 +723,11 @@ def _sign(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
         return Evaluation(", ".join(shown(c, f"{v:+.2f}%") for c, v in zip(cells, values, strict=True)),
                           all(v > 0 for v in values) if positive else all(v <= 0 for v in values))
     decided = [ci for ci in cis if ci is not None]
-    v, why = combine([decide_sign(ci, positive=positive) for ci in decided])
-    return Evaluation(", ".join(shown(c, fmt_ci(ci, 2, "%")) for c, ci in zip(cells, decided, strict=True)), v, why)
+    rule = "positive" if positive else "non_positive"
+    tests = tuple(Test(ci, rule, key=c.id) for c, ci in zip(cells, decided, strict=True))
+    v, why = combine([t.decide() for t in tests])
+    return Evaluation(", ".join(shown(c, fmt_ci(ci, 2, "%")) for c, ci in zip(cells, decided, strict=True)), v, why,
+                      tests)
 
 
 def _within(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
@@ -690,17 +744,18 @@ def _within(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
     if not cells:
         return Evaluation("no value", None)
     tol = float(spec.ops["tolerance"])
-    texts, verdicts = [], []
+    texts, verdicts, tests = [], [], []
     for c in cells:
         ci = cell_ci(c)
         if ci is None:
             text, verdict = f"{c.value:+.2f}%", (Verdict.of(abs(c.value) <= tol), "")
         else:
-            text, verdict = fmt_ci(ci, 2, "%"), decide_within(ci, tol)
+            tests.append(Test(ci, "within", tol, key=c.id))
+            text, verdict = fmt_ci(ci, 2, "%"), tests[-1].decide()
         texts.append(f"{_item(spec.ops['item'], c, spec)} {text}" if "item" in spec.ops else text)
         verdicts.append(verdict)
     v, why = combine(verdicts)
-    return Evaluation("; ".join(texts), v, why)
+    return Evaluation("; ".join(texts), v, why, tuple(tests))
 
 
 def _greater(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
@@ -710,8 +765,12 @@ def _greater(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
     if ca is None or cb is None or ca.value is None or cb.value is None:
         return Evaluation("not rendered" if doc is None else "no value", None)
     dec, unit = spec.ops.get("decimals", 2), spec.ops.get("unit", "%")
-    outcome, diff, why = greater(ca, cb, dec, unit)
-    return Evaluation(f"{ca.value:.{dec}f}{unit} vs {cb.value:.{dec}f}{unit}" + diff, outcome, why)
+    outcome, diff, why, test = greater(ca, cb, dec, unit)
+    return Evaluation(f"{ca.value:.{dec}f}{unit} vs {cb.value:.{dec}f}{unit}" + diff, outcome, why, _tests(test))
+
+
+def _tests(test: Test | None) -> tuple[Test, ...]:
+    return () if test is None else (test,)
 
 
 # --------------------------------------------------------------------------------------------- kinds: figures
@@ -759,8 +818,8 @@ def _rises(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
         text = f"{_item(item, first, spec)} → {_item(item, last, spec)}"
     else:
         text = ", ".join(_item(item, c, spec) for c in sw)
-    outcome, diff, why = greater(last, first, spec.ops.get("decimals", 2), spec.ops.get("unit", "%"))
-    return Evaluation(text + diff, outcome, why)
+    outcome, diff, why, test = greater(last, first, spec.ops.get("decimals", 2), spec.ops.get("unit", "%"))
+    return Evaluation(text + diff, outcome, why, _tests(test))
 
 
 def _peak_below_end(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
@@ -774,9 +833,9 @@ def _peak_below_end(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
     if len(tp) < 2:
         return Evaluation(text, None)
     best = max(tp[:-1], key=lambda c: float(c.value or 0.0))
-    outcome, diff, why = greater(best, tp[-1], spec.ops.get("decimals", 2), spec.ops.get("unit", "%"))
+    outcome, diff, why, test = greater(best, tp[-1], spec.ops.get("decimals", 2), spec.ops.get("unit", "%"))
     return Evaluation(text + (f" ({label} {best.keys[over]} vs {tp[-1].keys[over]}{diff})" if diff else ""),
-                      outcome, why)
+                      outcome, why, _tests(test))
 
 
 def _profiled_at_peak(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
@@ -793,11 +852,12 @@ def _profiled_at_peak(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
         return Evaluation(f"the profiled {label} was not swept" if profiled is not None else f"no profiled {label}",
                           None)
     text = f"profiled {profiled}, peak at {peak.keys[over]}"
-    if at is peak:
-        return Evaluation(text, True)
-    outcome, diff, why = greater(peak, at, spec.ops.get("decimals", 2), spec.ops.get("unit", "%"))
+    if at is peak:  # exactly: the effect (the peak's lead) is 0 in every repeat, a value to pool with other runs'
+        return Evaluation(text, True, "", (Test(CI(0.0, 0.0, 0.0, int(at.n or 0)), inverted=True),))
+    outcome, diff, why, test = greater(peak, at, spec.ops.get("decimals", 2), spec.ops.get("unit", "%"))
     v = Verdict.of(outcome)  # the peak faster than the profiled setting: the claim fails
-    return Evaluation(text + diff, {Verdict.HOLDS: Verdict.FAILS, Verdict.FAILS: Verdict.HOLDS}.get(v, v), why)
+    tests = () if test is None else (Test(test.ci, inverted=True),)
+    return Evaluation(text + diff, _SWAPPED.get(v, v), why, tests)
 
 
 def _fastest(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
@@ -813,9 +873,9 @@ def _fastest(spec: ClaimSpec, doc: TableDoc | None) -> Evaluation:
     if target is None:
         return Evaluation(text, None)
     dec, unit = spec.ops.get("decimals", 2), spec.ops.get("unit", "%")
-    parts = [greater(rows[target], c, dec, unit) for k, c in rows.items() if k != target]
-    v, why = combine([(Verdict.of(o), r) for o, _, r in parts])
-    return Evaluation(text, v, why)
+    parts = [greater(rows[target], c, dec, unit, key=k) for k, c in rows.items() if k != target]
+    v, why = combine([(Verdict.of(o), r) for o, _, r, _ in parts])
+    return Evaluation(text, v, why, tuple(t for *_, t in parts if t is not None))
 
 
 KINDS: dict[str, Callable[[ClaimSpec, TableDoc | None], Evaluation]] = {
@@ -878,7 +938,7 @@ def evaluate_claim(spec: ClaimSpec, doc: TableDoc | None, rep: Reported) -> Clai
         r = KINDS[spec.kind](spec, doc)
         paper_text, paper_outcome = ("– (beyond the paper)", None) if spec.extension else _paper_side(spec, rep)
     return Claim(spec.id, spec.label, statement, r.text, paper_text, Verdict.of(r.outcome), Verdict.of(paper_outcome),
-                 r.reason, spec.device, spec.source, spec.extension)
+                 r.reason, spec.device, spec.source, spec.extension, r.tests if spec.device else ())
 
 
 def evaluate_claims(docs: Mapping[str, TableDoc], figs: Mapping[str, TableDoc], rep: Reported,

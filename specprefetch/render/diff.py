@@ -62,7 +62,9 @@ from typing import Any
 
 from specprefetch.contracts import ContractError, read_doc
 from specprefetch.io import SpecPrefetchError
+from specprefetch.metrics import CI
 from specprefetch.render.cells import TABLE_FORMAT, Cell, TableDoc, read_table_doc
+from specprefetch.render.claims import Test, Verdict, combine
 
 log = logging.getLogger(__name__)
 
@@ -561,18 +563,27 @@ def diff_tables(old: Path | str, new: Path | str, tol: Tolerances, strict_verdic
         a, b = verdicts
         shared = [cid for cid in a if cid in b]
         rep.n_verdicts = len(shared)
-        rep.verdicts = [f"{cid}: {a[cid][0]} in OLD, {b[cid][0]} in NEW ({a[cid][1]})" for cid in shared
-                        if a[cid][0] != b[cid][0]]
+        rep.verdicts = [f"{cid}: {a[cid].verdict} in OLD, {b[cid].verdict} in NEW ({a[cid].statement})"
+                        for cid in shared if a[cid].verdict != b[cid].verdict]
     elif strict_verdicts:
         raise DiffError("--strict-verdicts compares the two renderings' comparison.json; "
                         f"{old if verdicts[0] is None else new} has none")
     return rep
 
 
-def claim_verdicts(path: Path) -> dict[str, tuple[str, str]] | None:
+@dataclass(frozen=True)
+class RunClaim:
+    """A device claim as one rendering's comparison.json has it: its verdict, statement and the CI tests it rests
+    on (None: a comparison.json from before they were kept)."""
+
+    verdict: str
+    statement: str
+    tests: tuple[Test, ...] | None = None
+
+
+def claim_verdicts(path: Path) -> dict[str, RunClaim] | None:
     """The device claims of a rendering's comparison.json (a directory's, or the directory of a table JSON): id ->
-    (reproduced verdict, statement); None without one. Issue 28's test of a rerun: the same verdict for every device
-    claim."""
+    ``RunClaim``; None without one. Issue 28's test of a rerun: the same verdict for every device claim."""
     comp = (path if path.is_dir() else path.parent) / "comparison.json"
     if not comp.is_file():
         return None
@@ -583,47 +594,96 @@ def claim_verdicts(path: Path) -> dict[str, tuple[str, str]] | None:
     out = {}
     for c in doc["claims"]:
         if isinstance(c, dict) and c.get("device") and "id" in c:
-            out[str(c["id"])] = (str(c.get("verdict_reproduced")), str(c.get("statement", "")))
+            tests = None
+            if isinstance(c.get("tests"), list):
+                try:
+                    tests = tuple(Test.from_json(t) for t in c["tests"])
+                except (ValueError, AttributeError) as exc:
+                    raise DiffError(f"{comp}: claim {c['id']!r}: tests: {exc}") from None
+            out[str(c["id"])] = RunClaim(str(c.get("verdict_reproduced")), str(c.get("statement", "")), tests)
     return out
+
+
+def pool_runs(per_run: Sequence[Sequence[Test]]) -> tuple[Verdict, str] | None:
+    """A claim's verdict over several runs (fresh DAGs at other hours), each run one value of its effect: per test
+    (matched by key), the mean of the runs' means and its 95 % t-interval (``k - 1`` degrees of freedom, the runs'
+    spread as the yardstick: the host's hour is the random unit, a run's own CI is inside that spread), decided as
+    the run's test is (``Test.decide``) and combined over the claim's tests. None when the runs' tests do not match
+    (other keys or rules): the claim is then judged by the verdicts alone."""
+    if len(per_run) < 2 or not all(per_run):
+        return None
+    first = {t.key: t for t in per_run[0]}
+    if any({t.key: (t.rule, t.tolerance, t.inverted) for t in tests}
+           != {k: (t.rule, t.tolerance, t.inverted) for k, t in first.items()} for tests in per_run):
+        return None
+    k = len(per_run)
+    tq = t_ppf(0.975, k - 1)
+    decisions, texts = [], []
+    for key, template in first.items():
+        means = [next(t.ci.mean for t in tests if t.key == key) for tests in per_run]
+        mean = sum(means) / k
+        sd = math.sqrt(sum((m - mean) ** 2 for m in means) / (k - 1))
+        half = tq * sd / math.sqrt(k)
+        ci = CI(mean, mean - half, mean + half, k)
+        decisions.append(template.decide(ci))
+        texts.append((f"{key}: " if len(first) > 1 else "") + f"{mean:+.3g} [{ci.lo:+.3g}, {ci.hi:+.3g}]")
+    verdict, _ = combine(decisions)
+    return verdict, "; ".join(texts)
 
 
 @dataclass
 class AcrossRuns:
     """Every device claim's verdict in each of several renderings of the same DAG (fresh runs at other hours) and the
-    verdict they support together: the shared one where every run gives it, else unresolved. The project's rule for
-    a device verdict: it counts when another fresh run gives the same one."""
+    verdict they support together: the shared one where every run decides it alike (it holds, or fails, at every
+    hour measured), else the runs pooled (``pool_runs``: each run's effect one value, its mean's t-interval over the
+    runs), else (runs whose comparison.json keep no tests) unresolved. The project's rule for a device verdict: it
+    counts when another fresh run gives the same one."""
 
     runs: list[str]
-    rows: list[tuple[str, str, list[str | None]]]  # (claim id, statement, verdict per run; None: not in that run)
+    rows: list[tuple[str, str, list[RunClaim | None]]]  # (claim id, statement, the claim per run; None: not in it)
 
     @staticmethod
-    def combined(verdicts: Sequence[str | None]) -> str:
-        given = [v for v in verdicts if v is not None]
-        return given[0] if given and len(given) == len(verdicts) and len(set(given)) == 1 else "unresolved"
+    def combined(claims: Sequence[RunClaim | None]) -> tuple[str, str]:
+        """The verdict over the runs and the pooled effect's text ("" when the runs cannot be pooled)."""
+        given = [c for c in claims if c is not None]
+        complete = bool(given) and len(given) == len(claims)
+        pooled = pool_runs([c.tests or () for c in given]) if complete else None
+        text = pooled[1] if pooled else ""
+        shared = {c.verdict for c in given}
+        if complete and len(shared) == 1 and shared & {Verdict.HOLDS.value, Verdict.FAILS.value}:
+            return given[0].verdict, text
+        return (pooled[0].value if pooled else Verdict.UNRESOLVED.value), text
 
     @property
     def disagreeing(self) -> list[str]:
         """Claims two runs give different verdicts."""
-        return [cid for cid, _, vs in self.rows if len({v for v in vs if v is not None}) > 1]
+        return [cid for cid, _, cs in self.rows if len({c.verdict for c in cs if c is not None}) > 1]
 
     @property
     def partial(self) -> list[str]:
         """Claims some run does not have (a claim added since): unresolved together, but not a disagreement."""
-        return [cid for cid, _, vs in self.rows if None in vs and cid not in self.disagreeing]
+        return [cid for cid, _, cs in self.rows if None in cs and cid not in self.disagreeing]
 
     def render(self) -> str:
-        head = ["claim", *[f"run {i + 1}" for i in range(len(self.runs))], "across runs"]
+        k = len(self.runs)
+        head = ["claim", *[f"run {i + 1}" for i in range(k)], "across runs", "pooled effect [95 % t-interval]"]
         out = [*(f"run {i + 1}: {r}" for i, r in enumerate(self.runs)), "",
                "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for cid, statement, vs in self.rows:
-            both = self.combined(vs)
-            mark = (" (runs disagree)" if cid in self.disagreeing else " (not in every run)" if None in vs else "")
-            out.append(f"| `{cid}` {statement} | " + " | ".join(v or "–" for v in vs) + f" | **{both}**{mark} |")
-        n, k = len(self.rows), len(self.runs)
+        tally: dict[str, int] = {}
+        for cid, statement, cs in self.rows:
+            both, pooled = self.combined(cs)
+            tally[both] = tally.get(both, 0) + 1
+            mark = (" (runs disagree)" if cid in self.disagreeing else " (not in every run)" if None in cs else "")
+            out.append(f"| `{cid}` {statement} | " + " | ".join(c.verdict if c else "–" for c in cs)
+                       + f" | **{both}**{mark} | {pooled or '–'} |")
+        n = len(self.rows)
         same = n - len(self.disagreeing) - len(self.partial)
         out += ["", f"{same} of {n} device claims give the same verdict in all {k} runs"
                 + (f"; {len(self.disagreeing)} differ: {', '.join(self.disagreeing)}" if self.disagreeing else "")
-                + (f"; {len(self.partial)} not in every run: {', '.join(self.partial)}" if self.partial else "")]
+                + (f"; {len(self.partial)} not in every run: {', '.join(self.partial)}" if self.partial else ""),
+                "Across runs: " + ", ".join(f"{tally[v]} {v}" for v in ("holds", "fails", "unresolved") if v in tally)
+                + f" (the verdict every run decides alike; else, where the runs keep their tests, the runs pooled: "
+                  f"each run's effect one value, its mean's 95 % t-interval over the {k} runs; else unresolved)"]
         return "\n".join(out)
 
 
@@ -639,7 +699,6 @@ def verdicts_across_runs(paths: Sequence[Path | str]) -> AcrossRuns:
             raise DiffError(f"{p}: no comparison.json (render it with `snakemake paper_tables`)")
         per_run.append(v)
     ids = list(dict.fromkeys(cid for v in per_run for cid in v))
-    rows = [(cid, next(v[cid][1] for v in per_run if cid in v), [v[cid][0] if cid in v else None for v in per_run])
-            for cid in ids]
+    rows = [(cid, next(v[cid].statement for v in per_run if cid in v), [v.get(cid) for v in per_run]) for cid in ids]
     return AcrossRuns([str(p) for p in paths], rows)
 
