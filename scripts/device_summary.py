@@ -1,6 +1,7 @@
 """The device benchmarks of a run in one page: per storage, every policy's throughput, gain vs OFF (mean and 95 %
 paired-bootstrap CI, as Tables 4-5 print them), ReadyRecall and both overlap bounds; the per-layer budgets; the
-run-to-run spread and the repeats a 2 pp CI half-width would need; the simulator's error per inputs.
+run-to-run spread and the repeats a 2 pp CI half-width would need; the same configuration's throughput in each block
+it was measured in; the simulator's error per inputs.
 
     python scripts/device_summary.py [RESULTS]     # default: results (a workdir's results/ or paper_tables/results)
 
@@ -116,6 +117,33 @@ def storage_physics(runs: pd.DataFrame, path: Path) -> str:
     return "\n".join(out)
 
 
+def across_blocks(runs: pd.DataFrame) -> str:
+    """The same configuration measured in several blocks of one run (each block its own lockstep set of runs, of
+    its size): its mean tok/s per block and the largest over the smallest. No prediction that does not know the
+    block (the simulator from the profile) can be closer per configuration than this spread allows."""
+    if "block" not in runs:
+        return ""
+    keys = [k for k in ("model", "policy", "storage", "m_max", "compute_opt", "layer_m_max", "budget_rule",
+                        "lookahead", "batch", "emulation", "io_order") if k in runs]
+    # a device.variants benchmark (rows "<experiment>@<variant>") has blocks of its own under the same names
+    r = runs.assign(**{k: runs[k].fillna("") for k in keys},
+                    block=runs["block"] + runs["experiment"].str.extract(r"(@.*)$")[0].fillna(""))
+    size = r.drop_duplicates([*keys, "block"]).groupby(["model", "block"]).size()  # the runs a round of a block
+    out = ["\n**The same configuration in several blocks** (mean tok/s per block over its repeats)\n",
+           "| configuration | per block | largest / smallest |", "|---|---|---:|"]
+    for key, g in r.groupby(keys, sort=False):
+        per = g.groupby("block", sort=True)["tokens_per_s"].mean()
+        if len(per) < 2:
+            continue
+        cfg = dict(zip(keys, key, strict=True))
+        label = f"{cfg['model']} {cfg['policy']} {cfg['storage']} M={cfg['m_max']} opt={cfg['compute_opt']}"
+        reps = g.groupby("block", sort=True)["repeat"].nunique()
+        shown = ", ".join(f"{b} ({size[cfg['model'], b]} runs a round, {reps[b]} repeats): {v:.2f}"
+                          for b, v in per.items())
+        out.append(f"| {label} | {shown} | {per.max() / per.min() - 1:+.1%} |")
+    return "\n".join(out) if len(out) > 3 else ""
+
+
 def validation(path: Path | None) -> str:
     if path is None:
         return ""
@@ -162,6 +190,7 @@ def main(argv: list[str]) -> None:
     print(policy_table(runs, path))
     print(storage_physics(runs, path))
     print(spread(runs, path))
+    print(across_blocks(runs))
     print(validation(_first(root / "device" / "sim_validation.csv", root / "sim_validation.csv")))
 
 

@@ -362,3 +362,15 @@ def test_verdicts_across_runs_pool_the_runs_effects(tmp_path: Path) -> None:
     _comparison(runs[2], {"f4_bounded_peak": "holds"}, {"f4_bounded_peak": [{"mean": 1.0, "rule": "sideways"}]})
     rc, out = _run_cli("compare-verdicts", *map(str, runs))
     assert rc == 2 and "Traceback" not in out and "claim 'f4_bounded_peak': tests:" in out, out
+
+
+def test_the_kept_runs_verdicts_table_is_current() -> None:
+    """docs/runs/verdicts.md is what compare-verdicts gives for the runs it lists (every kept run of docs/runs/ and
+    the committed paper_tables), and every kept run's device claims read (their tests included) without error."""
+    readme = (ROOT / "docs" / "runs" / "verdicts.md").read_text()
+    runs = [line.split(": ", 1)[1] for line in readme.splitlines() if line.startswith("run ")]
+    kept = sorted(p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "docs" / "runs").glob("*/comparison.json"))
+    assert sorted(runs) == sorted([*kept, "paper_tables"]), (runs, kept)
+    rc, out = _run_cli("compare-verdicts", *(str(ROOT / r) for r in runs))
+    assert rc == 0, out
+    assert out.replace(str(ROOT) + "/", "").strip() == readme.strip()
