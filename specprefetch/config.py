@@ -358,6 +358,8 @@ def check_semantics(cfg: dict[str, Any], base_dir: Path) -> None:
                               f"of workload {name} (workloads.{name}.n_samples); each shard needs a sample")
     if cfg["traces"]["mode"] == "generate" and cfg["traces"]["max_new_tokens"] < 1:
         raise ConfigError("invalid config key 'traces.max_new_tokens': generate mode decodes at least one token")
+    for i, run in enumerate(cfg["render"].get("kept_runs", [])):
+        _check_path(str(Path(run) / "comparison.json"), f"render.kept_runs[{i}]", base_dir)
     device = device_settings(cfg)
     for i, log_path in enumerate(device["external_logs"]):
         _check_path(log_path, f"device.external_logs[{i}]", base_dir)

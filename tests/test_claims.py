@@ -434,6 +434,38 @@ def _compare(out: Path, *extra: str) -> tuple[int, str]:
                     *extra)
 
 
+def test_compare_with_kept_runs_judges_the_device_claims_across_hours(tmp_path: Path) -> None:
+    """With kept runs (--kept-runs, or render.kept_runs) every device claim with CI tests is judged across hours:
+    comparison.json keeps the run's own verdict (verdict_run) and each test's spread (tau, k, margin), comparison.md
+    says which kept runs and which claims the spread changed; a claim the hours move across 0 turns unresolved while
+    the run's own CI decided it, and a recall claim is untouched."""
+    import json
+
+    kept = [str(REPO_ROOT / "docs" / "runs" / r) for r in ("9b97b05", "ce98089", "bb83649")]
+    rc, out = _compare(tmp_path / "own")
+    assert rc == 0, out
+    rc, out = _compare(tmp_path / "kept", "--kept-runs", *kept)
+    assert rc == 0, out
+    own = {c["id"]: c for c in json.loads((tmp_path / "own" / "comparison.json").read_text())["claims"]}
+    across = {c["id"]: c for c in json.loads((tmp_path / "kept" / "comparison.json").read_text())["claims"]}
+    assert own.keys() == across.keys()
+    for cid, c in across.items():
+        if c["device"] and c["tests"]:
+            assert c["verdict_run"] == own[cid]["verdict_reproduced"], cid
+            assert [{k: v for k, v in t.items() if k != "spread"} for t in c["tests"]] == own[cid]["tests"], cid
+            assert all(2 <= t["spread"]["k"] <= 4 for t in c["tests"] if "spread" in t), cid  # kept runs that have it
+        else:
+            assert c == own[cid] | {"reason": c["reason"]} and "verdict_run" not in c, cid
+    slow = across["t5_slow_over_cold"]  # +15.5 % in this run; +10.2, -2.5 and +3.1 in the kept ones
+    assert (slow["verdict_run"], slow["verdict_reproduced"]) == ("holds", "unresolved")
+    assert slow["tests"][0]["spread"]["margin"] > slow["tests"][0]["mean"]
+    assert across["t5_ready_recall"]["verdict_reproduced"] == "holds"
+    md = (tmp_path / "kept" / "comparison.md").read_text()
+    assert "Device claims are judged across hours" in md and "docs/runs/bb83649" in md, md
+    assert "this run alone: holds; spread between 4 runs ±" in md
+    assert "judged across hours" not in (tmp_path / "own" / "comparison.md").read_text()
+
+
 def test_committed_comparison_regenerates_byte_for_byte(tmp_path: Path) -> None:
     rc, out = _compare(tmp_path)
     assert rc == 0, out

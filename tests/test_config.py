@@ -99,6 +99,8 @@ BAD = [
     ("workloads.gsm8k.generator", "local", "workloads.gsm8k.path"),
     ("device.max_repeats", 2, "device.max_repeats"),
     ("device.target_ci_pp", 0, "device.target_ci_pp"),
+    ("render.kept_runs", ["docs/runs"], "render.kept_runs[0]"),  # a directory without comparison.json
+    ("render.kept_runs", ["docs/runs/bb83649", "docs/runs/bb83649"], "render.kept_runs"),
 ]
 
 

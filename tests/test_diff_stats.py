@@ -317,7 +317,7 @@ def test_verdicts_across_runs(tmp_path: Path) -> None:
     assert "| holds | unresolved | fails | **unresolved** (runs disagree) |" in out
     assert "| – | – | holds | **unresolved** (not in every run) |" in out and "t1_best" not in out
     assert ("1 of 3 device claims give the same verdict in all 3 runs; 1 differ: f5_slow_over_cold; 1 not in every "
-            "run: x_new_claim") in out
+            "run: x_new_claim; 1 contradict (one run holds, another fails): f5_slow_over_cold") in out
     rc, out = _run_cli("compare-verdicts", "--strict", *map(str, runs))
     assert rc == 1, out
     rc, out = _run_cli("compare-verdicts", "--strict", str(runs[0]), str(runs[0]))
@@ -364,13 +364,62 @@ def test_verdicts_across_runs_pool_the_runs_effects(tmp_path: Path) -> None:
     assert rc == 2 and "Traceback" not in out and "claim 'f4_bounded_peak': tests:" in out, out
 
 
+def test_a_run_judged_across_hours_with_the_spread_between_runs(tmp_path: Path) -> None:
+    """A device claim judged across hours: each run's CI widened by t_{0.975, k-1} times the runs' standard
+    deviation beyond their own CIs (method of moments), in quadrature. An effect the hours move across 0 is
+    unresolved in every run; a large one holds in every run; runs that agree within their CIs keep their own CI; no
+    run contradicts another; compare-verdicts shows each run judged so."""
+    from specprefetch.render.claims import Spread, Test, Verdict, judge_across_runs
+
+    def tests(means: list[float], half: float, **kw: object) -> list[tuple[Test, ...]]:
+        return [(Test.from_json(_test(m, half, **kw)),) for m in means]
+
+    near_zero = tests([10.2, -2.5, 15.5], 1.0)  # the slow-over-cold gain in three runs: the hours disagree
+    sp = Spread.of([t for (t,) in near_zero])
+    between, within = np.var([10.2, -2.5, 15.5], ddof=1), (1.0 / 1.959964) ** 2
+    assert sp is not None and sp.k == 3 and sp.tau == pytest.approx(math.sqrt(between - within))
+    assert sp.margin == pytest.approx(4.303 * sp.tau)
+    wide = sp.widen(near_zero[0][0].ci)
+    assert wide.mean == 10.2 and wide.lo == pytest.approx(10.2 - math.hypot(1.0, sp.margin))
+    assert [judge_across_runs(run, near_zero)[0] for run in near_zero] == [Verdict.UNRESOLVED] * 3
+    assert "with the spread between runs contains 0" in judge_across_runs(near_zero[0], near_zero)[1]
+    large = tests([30.0, 25.0, 35.0], 2.0)
+    assert [judge_across_runs(run, large)[0] for run in large] == [Verdict.HOLDS] * 3
+    agreeing = tests([5.0, 5.1, 4.9], 1.0)  # the runs agree within their own CIs: tau 0, each CI as it was
+    sp = Spread.of([t for (t,) in agreeing])
+    assert sp is not None and sp.tau == 0.0 and sp.widen(agreeing[0][0].ci) == agreeing[0][0].ci
+    assert Spread.of([agreeing[0][0]]) is None  # one run: no spread, the run's own CI
+    assert judge_across_runs(agreeing[0], agreeing[:1]) == (Verdict.HOLDS, "", (None,))
+    other_key = tests([1.0], 1.0, key="k")[0]  # another effect: not pooled with these
+    assert judge_across_runs(other_key, [*agreeing, other_key])[2] == (None,)
+
+    runs = [tmp_path / f"r{i}" for i in range(3)]
+    for i, d in enumerate(runs):
+        d.mkdir()
+        _comparison(d, {"f5_slow_over_cold": "holds" if i != 1 else "fails", "t4_specprefetch_faster": "holds"},
+                    {"f5_slow_over_cold": [_test([10.2, -2.5, 15.5][i], rule="positive")],
+                     "t4_specprefetch_faster": [_test([30.0, 25.0, 35.0][i], 2.0)]})
+    rc, out = _run_cli("compare-verdicts", *map(str, runs))
+    assert rc == 0, out
+    assert "1 contradict (one run holds, another fails): f5_slow_over_cold" in out, out
+    assert "| `f5_slow_over_cold` | unresolved | unresolved | unresolved |" in out, out
+    assert "| `t4_specprefetch_faster` | holds | holds | holds |" in out, out
+    assert ("2 of 2 device claims give the same verdict in all 3 runs judged across hours; none contradicts (one "
+            "run holds, another fails)") in out, out
+
+
 def test_the_kept_runs_verdicts_table_is_current() -> None:
-    """docs/runs/verdicts.md is what compare-verdicts gives for the runs it lists (every kept run of docs/runs/ and
-    the committed paper_tables), and every kept run's device claims read (their tests included) without error."""
+    """docs/runs/verdicts.md is what compare-verdicts gives for the runs it lists (every kept run of docs/runs/, the
+    committed paper_tables' among them), every kept run's device claims read (their tests included) without error,
+    and the overlay config/overlays/kept-runs.yaml lists the same runs in the same order."""
     readme = (ROOT / "docs" / "runs" / "verdicts.md").read_text()
     runs = [line.split(": ", 1)[1] for line in readme.splitlines() if line.startswith("run ")]
     kept = sorted(p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "docs" / "runs").glob("*/comparison.json"))
-    assert sorted(runs) == sorted([*kept, "paper_tables"]), (runs, kept)
+    assert sorted(runs) == kept, (runs, kept)
+    overlay = yaml.safe_load((ROOT / "config" / "overlays" / "kept-runs.yaml").read_text())
+    assert overlay["render"]["kept_runs"] == runs
+    committed = (ROOT / "paper_tables" / "comparison.json").read_bytes()
+    assert any((ROOT / r / "comparison.json").read_bytes() == committed for r in runs), "paper_tables is not kept"
     rc, out = _run_cli("compare-verdicts", *(str(ROOT / r) for r in runs))
     assert rc == 0, out
     assert out.replace(str(ROOT) + "/", "").strip() == readme.strip()

@@ -19,6 +19,11 @@ only where it excludes 0 below, and is tied otherwise. A claim that holds counti
 that fails even with every tie counted for it fails; otherwise its verdict depends on the ties and is unresolved.
 Cells without per-seed values (one seed, the paper's) are compared by their values at the printed precision.
 
+A run's CI says what the run measured at its hour; the host's hour moves some effects by more than that (the disk,
+the CPU's clock). With kept runs (``render.kept_runs``: earlier fresh DAGs' comparison.json on the same kind of host)
+a device claim is judged across hours (``across_runs``): each effect's CI is widened by the spread between the runs,
+the kept ones and this one (``Spread``), and ``verdict_run`` keeps the run's own verdict.
+
 A malformed claims file (unknown kind, missing operand, unknown id) is one ``ClaimsError`` line naming the claim
 and the key.
 """
@@ -26,9 +31,10 @@ and the key.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -40,7 +46,7 @@ from specprefetch.contracts import LATENCY_MODES, ContractError, read_doc
 from specprefetch.io import SpecPrefetchError
 from specprefetch.metrics import CI, CI_LEVEL, bootstrap_ci
 from specprefetch.render import style
-from specprefetch.render.cells import Cell, TableDoc, seed_ci
+from specprefetch.render.cells import Cell, TableDoc, seed_ci, t_quantile
 from specprefetch.render.reported import Reported
 from specprefetch.render.targets import CLAIMS, FIGURE_NAMES, TABLE_NAMES
 
@@ -99,10 +105,14 @@ class Claim:
     doc: str = ""
     extension: bool = False  # beyond the paper: no paper side, kept apart from the paper's claims
     tests: tuple[Test, ...] = ()  # the CI decisions of a device claim's reproduced verdict (comparison.json keeps them)
+    verdict_run: Verdict | None = None  # judged across runs (``across_runs``): the verdict of this run's own CIs
+    spreads: tuple[Spread | None, ...] = ()  # per test: the kept runs' spread its CI was widened by (None: too few)
 
     def __post_init__(self) -> None:
         self.verdict_reproduced = Verdict.of(self.verdict_reproduced)
         self.verdict_paper = Verdict.of(self.verdict_paper)
+        if self.verdict_run is not None:
+            self.verdict_run = Verdict.of(self.verdict_run)
 
     @property
     def holds_reproduced(self) -> bool | None:
@@ -123,7 +133,9 @@ class Claim:
                 "paper": self.paper, "holds_reproduced": self.holds_reproduced, "holds_paper": self.holds_paper,
                 "verdict_reproduced": self.verdict_reproduced.value, "verdict_paper": self.verdict_paper.value,
                 "reason": self.reason, "device": self.device, "agrees": self.agrees, "extension": self.extension,
-                "tests": [t.to_json() for t in self.tests]}
+                "tests": [t.to_json() | ({"spread": sp.to_json()} if sp else {})
+                          for t, sp in zip(self.tests, self.spreads or [None] * len(self.tests), strict=True)],
+                **({"verdict_run": self.verdict_run.value} if self.verdict_run is not None else {})}
 
 
 Outcome = bool | Verdict | None
@@ -247,6 +259,74 @@ class Test:
         if test.rule not in RULES:
             raise ValueError(f"unknown rule {test.rule!r} (one of {', '.join(RULES)})")
         return test
+
+    def same_effect(self, other: Test) -> bool:
+        """Whether ``other`` (another run's test) tests the same effect the same way: key, rule, tolerance, sense."""
+        return (self.key, self.rule, self.tolerance, self.inverted) == (other.key, other.rule, other.tolerance,
+                                                                       other.inverted)
+
+
+_Z975 = 1.959964  # the normal quantile a run's 95 % CI half-width is divided by for its standard error
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How far one effect moves between runs (fresh DAGs at other hours) beyond each run's own CI, from ``k`` runs'
+    tests of it: ``tau``² = the variance of their means (k - 1 degrees of freedom) minus the mean of their
+    squared standard errors (a run's CI half-width / 1.96), at least 0: the method-of-moments estimate of the
+    between-study variance of a random-effects model, the hour the random unit. A run's CI of the effect across
+    hours (``widen``) adds ``margin`` = t_{0.975, k-1} · tau to each side in quadrature: the run's own hour is one
+    draw it cannot see past, and t with k - 1 degrees of freedom pays for estimating tau from k runs (tau = 0, the
+    runs agreeing within their own CIs: the run's CI unchanged)."""
+
+    tau: float
+    k: int
+
+    @property
+    def margin(self) -> float:
+        return t_quantile(self.k - 1) * self.tau
+
+    @staticmethod
+    def of(tests: Sequence[Test]) -> Spread | None:
+        """The spread of the same effect's tests in ``k`` >= 2 runs; None with fewer."""
+        if len(tests) < 2:
+            return None
+        means = [t.ci.mean for t in tests]
+        mean = sum(means) / len(means)
+        between = sum((m - mean) ** 2 for m in means) / (len(means) - 1)
+        within = sum((t.ci.half_width / _Z975) ** 2 for t in tests) / len(tests)
+        return Spread(math.sqrt(max(0.0, between - within)), len(tests))
+
+    def widen(self, ci: CI) -> CI:
+        m = self.margin
+        return CI(ci.mean, ci.mean - math.hypot(ci.mean - ci.lo, m), ci.mean + math.hypot(ci.hi - ci.mean, m), ci.n)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tau": self.tau, "k": self.k, "margin": self.margin}
+
+
+def judge_across_runs(tests: Sequence[Test],
+                      runs: Sequence[Sequence[Test]]) -> tuple[Verdict, str, tuple[Spread | None, ...]]:
+    """One run's tests of a claim decided across hours: each test's CI widened by its effect's ``Spread`` over every
+    run's tests of the same claim (``runs``: one sequence per run, this one included; a test fewer than two runs
+    have is decided by its own CI), combined as the claim's own decisions are. Returns (verdict, reason, the spread
+    per test)."""
+    spreads = tuple(Spread.of([u for run in runs for u in run if u.same_effect(t)]) for t in tests)
+    v, why = combine([t.decide(None if sp is None else sp.widen(t.ci)) for t, sp in zip(tests, spreads, strict=True)])
+    if v is Verdict.UNRESOLVED and any(spreads):
+        why = why.replace(f"the {_PCT} CI", f"the {_PCT} CI with the spread between runs")
+    return v, why, spreads
+
+
+def across_runs(claim: Claim, kept: Sequence[Mapping[str, Sequence[Test]]]) -> Claim:
+    """A device claim judged across hours (``judge_across_runs``): its tests' spread estimated over the kept runs'
+    (claim id -> tests, one mapping per kept run) and its own, its own verdict kept as ``verdict_run``; any other
+    claim, or one without tests, as is."""
+    if not claim.device or not claim.tests or not kept:
+        return claim
+    v, why, spreads = judge_across_runs(claim.tests, [*(run.get(claim.id, ()) for run in kept), claim.tests])
+    return replace(claim, verdict_reproduced=v, reason=why if v is Verdict.UNRESOLVED else "",
+                   verdict_run=claim.verdict_reproduced, spreads=spreads)
 
 
 def greater(a: Cell, b: Cell, dec: int, unit: str,

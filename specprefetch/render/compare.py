@@ -9,7 +9,8 @@ Two kinds of comparison, both always produced:
   ``config/reference/claims.yaml`` and evaluated by ``render.claims`` on the reproduced cells and on the paper's.
   For the embedded default (stand-ins, not the paper's models) the direction of each claim is the comparison that
   means something; ``agrees`` says whether the claim holds in both or fails in both. Device claims are decided by
-  the 95 % paired-bootstrap CI their cells carry (``Verdict.UNRESOLVED`` when it does not decide).
+  the 95 % paired-bootstrap CI their cells carry (``Verdict.UNRESOLVED`` when it does not decide); with kept runs
+  (``render.kept_runs``) across hours: each CI widened by the spread between the kept runs (``claims.across_runs``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 from specprefetch.io import write_json_atomic, write_text_atomic
 from specprefetch.metrics import CI_LEVEL
 from specprefetch.render.cells import Cell, TableDoc, fmt_fixed, fmt_params, latex_escape, read_table_doc
-from specprefetch.render.claims import Claim, Verdict, evaluate_claims, load_claims
+from specprefetch.render.claims import Claim, Test, Verdict, across_runs, evaluate_claims, load_claims
 from specprefetch.render.profile import profile_sentence
 from specprefetch.render.reported import MATCH_KEYS, Reported, match_key
 from specprefetch.render.tables import TABLES, render_template
@@ -196,15 +197,45 @@ def _md_escape(s: str) -> str:
     return s.replace("|", "\\|")
 
 
+def _across_md(c: Claim) -> str:
+    """How a claim judged across hours got its verdict: this run's own, and the margin the kept runs added."""
+    if c.verdict_run is None:
+        return ""
+    spreads = [sp for sp in c.spreads if sp is not None]
+    if not spreads:
+        return "; no kept run has its effects: this run's CI alone"
+    margins = sorted({f"{sp.margin:.3g}" for sp in spreads}, key=float)
+    k = sorted({sp.k for sp in spreads})
+    return (f"; this run alone: {c.verdict_run.value}; spread between {'/'.join(map(str, k))} runs "
+            f"±{', ±'.join(margins)}")
+
+
 def _reproduced_md(c: Claim) -> str:
     why = f": {c.reason}" if c.verdict_reproduced is Verdict.UNRESOLVED and c.reason else ""
-    return f"{_md_escape(c.reproduced)} ({_holds(c.verdict_reproduced)}{_md_escape(why)})"
+    return f"{_md_escape(c.reproduced)} ({_holds(c.verdict_reproduced)}{_md_escape(why + _across_md(c))})"
+
+
+def kept_runs_sentence(claims: Sequence[Claim], kept: Sequence[str]) -> str:
+    """What judging across hours did: the kept runs, and the device claims whose verdict it changed."""
+    if not kept:
+        return ""
+    changed = [c.id for c in claims if c.verdict_run is not None and c.verdict_run is not c.verdict_reproduced]
+    judged = [c for c in claims if c.verdict_run is not None]
+    return (f"Device claims are judged across hours: each effect's {_PCT} CI is widened by the spread between "
+            f"this run and {len(kept)} kept runs of this DAG at other hours ({', '.join(kept)}; `render.kept_runs`): "
+            "t_{0.975, k-1} times the k runs' standard deviation beyond their own CIs, added in quadrature "
+            f"(docs/tables.md, \"Verdicts across runs\"). {len(judged) - len(changed)} of {len(judged)} device claims "
+            "with CI tests keep this run's own verdict"
+            + (f"; {len(changed)} do not ({', '.join(changed)})." if changed else "."))
 
 
 def comparison_markdown(cfg: Mapping[str, Any], per_table: Mapping[str, list[SideBySide]],
                         titles: Mapping[str, str], claims: Sequence[Claim]) -> str:
     lines = ["# Reproduced vs reported", "", profile_sentence(cfg), ""]
     lines += [f"**Claims:** {claims_summary(claims)}", ""]
+    kept = kept_runs_sentence(claims, cfg["render"].get("kept_runs", []))
+    if kept:
+        lines += [kept, ""]
     if cfg["profile"] != "paper":
         lines += ["The models here are not the paper's checkpoints, so the numeric differences below are not "
                   "errors; the claims (directions) are the comparison that carries over.", ""]
@@ -239,6 +270,20 @@ def comparison_markdown(cfg: Mapping[str, Any], per_table: Mapping[str, list[Sid
     return "\n".join(lines).rstrip() + "\n"
 
 
+def load_kept_runs(dirs: Sequence[Path | str]) -> list[dict[str, tuple[Test, ...]]]:
+    """The device claims' tests of each kept run (a directory with comparison.json): claim id -> tests. A kept run
+    without comparison.json, or with a malformed one, is a ``DiffError`` naming it."""
+    from specprefetch.render.diff import DiffError, claim_verdicts
+
+    out = []
+    for d in map(Path, dirs):
+        runs = claim_verdicts(d) if d.is_dir() else None
+        if runs is None:
+            raise DiffError(f"render.kept_runs: {d} is not a rendering with comparison.json")
+        out.append({cid: c.tests for cid, c in runs.items() if c.tests})
+    return out
+
+
 def compare_with_paper(cfg: Mapping[str, Any], table_jsons: Sequence[Path | str], figure_jsons: Sequence[Path | str],
                        reported: Reported, out_dir: Path | str, markdown: Path | str | None = None,
                        templates: Path | None = None, claims_file: Path | str | None = None) -> list[Claim]:
@@ -252,6 +297,8 @@ def compare_with_paper(cfg: Mapping[str, Any], table_jsons: Sequence[Path | str]
     docs = {d.name: d for d in (read_table_doc(p) for p in table_jsons)}
     figs = {d.name: d for d in (read_table_doc(p) for p in figure_jsons)}
     claims = evaluate_claims(docs, figs, reported, specs)
+    kept = load_kept_runs(cfg["render"].get("kept_runs", []))
+    claims = [across_runs(c, kept) for c in claims]
     per_table: dict[str, list[SideBySide]] = {}
     titles = {}
     for name in TABLES:

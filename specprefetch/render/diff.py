@@ -64,7 +64,7 @@ from specprefetch.contracts import ContractError, read_doc
 from specprefetch.io import SpecPrefetchError
 from specprefetch.metrics import CI
 from specprefetch.render.cells import TABLE_FORMAT, Cell, TableDoc, read_table_doc
-from specprefetch.render.claims import Test, Verdict, combine
+from specprefetch.render.claims import Test, Verdict, combine, judge_across_runs
 
 log = logging.getLogger(__name__)
 
@@ -574,11 +574,17 @@ def diff_tables(old: Path | str, new: Path | str, tol: Tolerances, strict_verdic
 @dataclass(frozen=True)
 class RunClaim:
     """A device claim as one rendering's comparison.json has it: its verdict, statement and the CI tests it rests
-    on (None: a comparison.json from before they were kept)."""
+    on (None: a comparison.json from before they were kept); ``own``: the verdict of the run's own CIs (its
+    ``verdict_run`` where it was judged across hours with kept runs, else its verdict)."""
 
     verdict: str
     statement: str
     tests: tuple[Test, ...] | None = None
+    verdict_run: str = ""
+
+    @property
+    def own(self) -> str:
+        return self.verdict_run or self.verdict
 
 
 def claim_verdicts(path: Path) -> dict[str, RunClaim] | None:
@@ -600,7 +606,8 @@ def claim_verdicts(path: Path) -> dict[str, RunClaim] | None:
                     tests = tuple(Test.from_json(t) for t in c["tests"])
                 except (ValueError, AttributeError) as exc:
                     raise DiffError(f"{comp}: claim {c['id']!r}: tests: {exc}") from None
-            out[str(c["id"])] = RunClaim(str(c.get("verdict_reproduced")), str(c.get("statement", "")), tests)
+            out[str(c["id"])] = RunClaim(str(c.get("verdict_reproduced")), str(c.get("statement", "")), tests,
+                                         str(c.get("verdict_run", "")))
     return out
 
 
@@ -637,7 +644,8 @@ class AcrossRuns:
     verdict they support together: the shared one where every run decides it alike (it holds, or fails, at every
     hour measured), else the runs pooled (``pool_runs``: each run's effect one value, its mean's t-interval over the
     runs), else (runs whose comparison.json keep no tests) unresolved. The project's rule for a device verdict: it
-    counts when another fresh run gives the same one."""
+    counts when another fresh run gives the same one. Each run's verdict is its own CIs' (``RunClaim.own``);
+    ``across_hours`` judges each run as a new run would be with the others as its kept runs (leave one out)."""
 
     runs: list[str]
     rows: list[tuple[str, str, list[RunClaim | None]]]  # (claim id, statement, the claim per run; None: not in it)
@@ -649,15 +657,24 @@ class AcrossRuns:
         complete = bool(given) and len(given) == len(claims)
         pooled = pool_runs([c.tests or () for c in given]) if complete else None
         text = pooled[1] if pooled else ""
-        shared = {c.verdict for c in given}
+        shared = {c.own for c in given}
         if complete and len(shared) == 1 and shared & {Verdict.HOLDS.value, Verdict.FAILS.value}:
-            return given[0].verdict, text
+            return given[0].own, text
         return (pooled[0].value if pooled else Verdict.UNRESOLVED.value), text
 
     @property
     def disagreeing(self) -> list[str]:
         """Claims two runs give different verdicts."""
-        return [cid for cid, _, cs in self.rows if len({c.verdict for c in cs if c is not None}) > 1]
+        return [cid for cid, _, cs in self.rows if len({c.own for c in cs if c is not None}) > 1]
+
+    @staticmethod
+    def across_hours(claims: Sequence[RunClaim | None]) -> list[str | None]:
+        """Each run's verdict judged across hours as a new run is with the others as its kept runs
+        (``judge_across_runs``: its CIs widened by the spread between all the runs). A run without tests keeps its
+        own verdict; None where the run does not have the claim."""
+        runs = [c.tests or () for c in claims if c is not None]
+        return [None if c is None else judge_across_runs(c.tests, runs)[0].value if c.tests else c.own
+                for c in claims]
 
     @property
     def partial(self) -> list[str]:
@@ -680,11 +697,30 @@ class AcrossRuns:
         same = n - len(self.disagreeing) - len(self.partial)
         out += ["", f"{same} of {n} device claims give the same verdict in all {k} runs"
                 + (f"; {len(self.disagreeing)} differ: {', '.join(self.disagreeing)}" if self.disagreeing else "")
-                + (f"; {len(self.partial)} not in every run: {', '.join(self.partial)}" if self.partial else ""),
+                + (f"; {len(self.partial)} not in every run: {', '.join(self.partial)}" if self.partial else "")
+                + _contradictions([[c.own if c else None for c in cs] for _, _, cs in self.rows], self.rows),
                 "Across runs: " + ", ".join(f"{tally[v]} {v}" for v in ("holds", "fails", "unresolved") if v in tally)
                 + f" (the verdict every run decides alike; else, where the runs keep their tests, the runs pooled: "
                   f"each run's effect one value, its mean's 95 % t-interval over the {k} runs; else unresolved)"]
+        out += ["", f"Each run judged across hours, as a new run with the other {k - 1} as its kept runs "
+                f"(`render.kept_runs`): its CIs widened by the spread between the {k} runs", "",
+                "| claim | " + " | ".join(f"run {i + 1}" for i in range(k)) + " |", "|" + "---|" * (k + 1)]
+        hours = [self.across_hours(cs) for _, _, cs in self.rows]
+        differ = [cid for (cid, _, _), vs in zip(self.rows, hours, strict=True) if len({v for v in vs if v}) > 1]
+        out += [f"| `{cid}` | " + " | ".join(v or "–" for v in vs) + " |"
+                for (cid, _, _), vs in zip(self.rows, hours, strict=True)]
+        out += ["", f"{n - len(differ)} of {n} device claims give the same verdict in all {k} runs judged across hours"
+                + (f"; {len(differ)} differ: {', '.join(differ)}" if differ else "")
+                + _contradictions(hours, self.rows)]
         return "\n".join(out)
+
+
+def _contradictions(verdicts: Sequence[Sequence[str | None]], rows: Sequence[tuple[str, str, Any]]) -> str:
+    """"; N contradict (one run holds, another fails): ids", or that none does."""
+    ids = [cid for (cid, _, _), vs in zip(rows, verdicts, strict=True)
+           if {Verdict.HOLDS.value, Verdict.FAILS.value} <= set(vs)]
+    return (f"; {len(ids)} contradict (one run holds, another fails): {', '.join(ids)}" if ids
+            else "; none contradicts (one run holds, another fails)")
 
 
 def verdicts_across_runs(paths: Sequence[Path | str]) -> AcrossRuns:

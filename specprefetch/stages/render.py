@@ -94,6 +94,8 @@ def _cmd_compare(args: argparse.Namespace) -> None:
     from specprefetch.render.reported import load_reported
 
     cfg = load_args_config(args)
+    if args.kept_runs is not None:
+        cfg["render"]["kept_runs"] = [str(p) for p in args.kept_runs]
     claims = compare_with_paper(cfg, args.tables, args.figures or [], load_reported(args.reported), args.out_dir,
                                 markdown=args.markdown, templates=args.templates, claims_file=args.claims)
     from specprefetch.render.compare import claim_counts
@@ -196,6 +198,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--figures", nargs="*", type=Path, default=[], help="figure JSONs from render-figures")
     p.add_argument("--reported", type=Path, default=None, help="default config/reference/paper_reported.yaml")
     p.add_argument("--claims", type=Path, default=None, help="default config/reference/claims.yaml")
+    p.add_argument("--kept-runs", nargs="*", type=Path, default=None,
+                   help="earlier fresh runs' renderings (directories with comparison.json) to judge the device claims "
+                        "across hours with (default: the config's render.kept_runs; none given: the run's own CIs)")
     p.add_argument("--out-dir", required=True, type=Path)
     p.add_argument("--markdown", type=Path, default=None, help="default <out-dir>/comparison.md")
     p.add_argument("--templates", type=Path, default=None)

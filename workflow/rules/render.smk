@@ -108,6 +108,7 @@ rule compare_with_paper:
         figures=[RT.figure_file(P.cfg, f, "json") for f in RT.figure_names(P.cfg)],
         reported=str(P.workdir / RT.REPORTED),
         claims=str(P.workdir / RT.CLAIMS),
+        kept=[str(P.workdir / run / "comparison.json") for run in P.cfg["render"]["kept_runs"]],
     output:
         vs=[RT.vs_paper_file(P.cfg, t) for t in RT.COMPARED_TABLES],
         figures_vs=RT.comparison_file(P.cfg, "figures_vs_paper.tex"),
