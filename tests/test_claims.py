@@ -438,10 +438,11 @@ def test_compare_with_kept_runs_judges_the_device_claims_across_hours(tmp_path: 
     """With kept runs (--kept-runs, or render.kept_runs) every device claim with CI tests is judged across hours:
     comparison.json keeps the run's own verdict (verdict_run) and each test's spread (tau, k, margin), comparison.md
     says which kept runs and which claims the spread changed; a claim the hours move across 0 turns unresolved while
-    the run's own CI decided it, and a recall claim is untouched."""
+    the run's own CI decided it, a recall claim is untouched, and a kept copy of the run itself is left out."""
     import json
 
-    kept = [str(REPO_ROOT / "docs" / "runs" / r) for r in ("9b97b05", "ce98089", "bb83649")]
+    # 3a4d32e is a copy of the committed rendering itself: left out, so the run counts once
+    kept = [str(REPO_ROOT / "docs" / "runs" / r) for r in ("9b97b05", "ce98089", "3a4d32e", "bb83649")]
     rc, out = _compare(tmp_path / "own")
     assert rc == 0, out
     rc, out = _compare(tmp_path / "kept", "--kept-runs", *kept)
@@ -462,6 +463,7 @@ def test_compare_with_kept_runs_judges_the_device_claims_across_hours(tmp_path: 
     assert across["t5_ready_recall"]["verdict_reproduced"] == "holds"
     md = (tmp_path / "kept" / "comparison.md").read_text()
     assert "Device claims are judged across hours" in md and "docs/runs/bb83649" in md, md
+    assert "3a4d32e" not in md and "this run and 3 kept runs" in md, md
     assert "this run alone: holds; spread between 4 runs ±" in md
     assert "judged across hours" not in (tmp_path / "own" / "comparison.md").read_text()
 

@@ -217,25 +217,22 @@ def _reproduced_md(c: Claim) -> str:
 
 def kept_runs_sentence(claims: Sequence[Claim], kept: Sequence[str]) -> str:
     """What judging across hours did: the kept runs, and the device claims whose verdict it changed."""
-    if not kept:
-        return ""
     changed = [c.id for c in claims if c.verdict_run is not None and c.verdict_run is not c.verdict_reproduced]
     judged = [c for c in claims if c.verdict_run is not None]
     return (f"Device claims are judged across hours: each effect's {_PCT} CI is widened by the spread between "
             f"this run and {len(kept)} kept runs of this DAG at other hours ({', '.join(kept)}; `render.kept_runs`): "
             "t_{0.975, k-1} times the k runs' standard deviation beyond their own CIs, added in quadrature "
-            f"(docs/tables.md, \"Verdicts across runs\"). {len(judged) - len(changed)} of {len(judged)} device claims "
-            "with CI tests keep this run's own verdict"
+            f"(docs/tables.md, \"One run judged across hours\"). {len(judged) - len(changed)} of {len(judged)} "
+            "device claims with CI tests keep this run's own verdict"
             + (f"; {len(changed)} do not ({', '.join(changed)})." if changed else "."))
 
 
 def comparison_markdown(cfg: Mapping[str, Any], per_table: Mapping[str, list[SideBySide]],
-                        titles: Mapping[str, str], claims: Sequence[Claim]) -> str:
+                        titles: Mapping[str, str], claims: Sequence[Claim], kept: Sequence[str] = ()) -> str:
     lines = ["# Reproduced vs reported", "", profile_sentence(cfg), ""]
     lines += [f"**Claims:** {claims_summary(claims)}", ""]
-    kept = kept_runs_sentence(claims, cfg["render"].get("kept_runs", []))
     if kept:
-        lines += [kept, ""]
+        lines += [kept_runs_sentence(claims, kept), ""]
     if cfg["profile"] != "paper":
         lines += ["The models here are not the paper's checkpoints, so the numeric differences below are not "
                   "errors; the claims (directions) are the comparison that carries over.", ""]
@@ -297,7 +294,15 @@ def compare_with_paper(cfg: Mapping[str, Any], table_jsons: Sequence[Path | str]
     docs = {d.name: d for d in (read_table_doc(p) for p in table_jsons)}
     figs = {d.name: d for d in (read_table_doc(p) for p in figure_jsons)}
     claims = evaluate_claims(docs, figs, reported, specs)
-    kept = load_kept_runs(cfg["render"].get("kept_runs", []))
+    own = {c.id: c.tests for c in claims if c.device and c.tests}
+    kept_dirs, kept = [], []
+    for d, run in zip(cfg["render"].get("kept_runs", []), load_kept_runs(cfg["render"].get("kept_runs", [])),
+                      strict=True):
+        if run == own:  # a copy of this rendering's own comparison (e.g. the committed run, kept in docs/runs)
+            log.info("render.kept_runs: %s has this run's own tests: left out (a run counts once)", d)
+            continue
+        kept_dirs.append(str(d))
+        kept.append(run)
     claims = [across_runs(c, kept) for c in claims]
     per_table: dict[str, list[SideBySide]] = {}
     titles = {}
@@ -317,7 +322,7 @@ def compare_with_paper(cfg: Mapping[str, Any], table_jsons: Sequence[Path | str]
         "claims": [{"source": latex_escape(c.source), "statement": latex_escape(c.statement),
                     "reproduced": latex_escape(_reproduced_text(c)), "paper": latex_escape(c.paper),
                     "agrees": _same_mark(c, True)} for c in fig_claims]}, templates))
-    md = comparison_markdown(cfg, per_table, titles, claims)
+    md = comparison_markdown(cfg, per_table, titles, claims, kept_dirs)
     write_text_atomic(Path(markdown) if markdown else out_dir / "comparison.md", md)
     write_json_atomic(out_dir / "comparison.json", {"profile": cfg["profile"], "summary": claim_counts(claims),
                                                     "extensions": claim_counts(claims, extension=True),
