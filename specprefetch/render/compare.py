@@ -267,18 +267,25 @@ def comparison_markdown(cfg: Mapping[str, Any], per_table: Mapping[str, list[Sid
     return "\n".join(lines).rstrip() + "\n"
 
 
-def load_kept_runs(dirs: Sequence[Path | str]) -> list[dict[str, tuple[Test, ...]]]:
-    """The device claims' tests of each kept run (a directory with comparison.json): claim id -> tests. A kept run
-    without comparison.json, or with a malformed one, is a ``DiffError`` naming it."""
+def load_kept_runs(dirs: Sequence[Path | str],
+                   own: Mapping[str, tuple[Test, ...]]) -> tuple[list[str], list[dict[str, tuple[Test, ...]]]]:
+    """The kept runs (directories with comparison.json) and their device claims' tests (claim id -> tests), less any
+    whose tests are ``own`` (a copy of this rendering, e.g. the committed run kept in docs/runs: a run counts once).
+    A kept run without comparison.json, or with a malformed one, is a ``DiffError`` naming it."""
     from specprefetch.render.diff import DiffError, claim_verdicts
 
-    out = []
+    names, runs = [], []
     for d in map(Path, dirs):
-        runs = claim_verdicts(d) if d.is_dir() else None
-        if runs is None:
+        claims = claim_verdicts(d) if d.is_dir() else None
+        if claims is None:
             raise DiffError(f"render.kept_runs: {d} is not a rendering with comparison.json")
-        out.append({cid: c.tests for cid, c in runs.items() if c.tests})
-    return out
+        tests = {cid: c.tests for cid, c in claims.items() if c.tests}
+        if tests == own:
+            log.info("render.kept_runs: %s has this run's own tests: left out (a run counts once)", d)
+            continue
+        names.append(str(d))
+        runs.append(tests)
+    return names, runs
 
 
 def compare_with_paper(cfg: Mapping[str, Any], table_jsons: Sequence[Path | str], figure_jsons: Sequence[Path | str],
@@ -294,15 +301,8 @@ def compare_with_paper(cfg: Mapping[str, Any], table_jsons: Sequence[Path | str]
     docs = {d.name: d for d in (read_table_doc(p) for p in table_jsons)}
     figs = {d.name: d for d in (read_table_doc(p) for p in figure_jsons)}
     claims = evaluate_claims(docs, figs, reported, specs)
-    own = {c.id: c.tests for c in claims if c.device and c.tests}
-    kept_dirs, kept = [], []
-    for d, run in zip(cfg["render"].get("kept_runs", []), load_kept_runs(cfg["render"].get("kept_runs", [])),
-                      strict=True):
-        if run == own:  # a copy of this rendering's own comparison (e.g. the committed run, kept in docs/runs)
-            log.info("render.kept_runs: %s has this run's own tests: left out (a run counts once)", d)
-            continue
-        kept_dirs.append(str(d))
-        kept.append(run)
+    kept_dirs, kept = load_kept_runs(cfg["render"].get("kept_runs", []),
+                                     {c.id: c.tests for c in claims if c.device and c.tests})
     claims = [across_runs(c, kept) for c in claims]
     per_table: dict[str, list[SideBySide]] = {}
     titles = {}
