@@ -276,7 +276,8 @@ def test_simulated_rule_takes_the_fastest_budget() -> None:
 @pytest.mark.parametrize("emulation", ["delay", "bandwidth"])
 def test_shaped_device_takes_the_asked_load_time(emulation: str) -> None:
     """The W/t axis's devices: the disk model's shape, a load of ``transfer_ms``; under the delay emulation a slower
-    device is the disk plus a delay (its bandwidth kept), a faster one the disk scaled."""
+    device is the disk plus a delay (its bandwidth kept), a faster one the disk scaled. With the isolated load time
+    the disk stands for (``base_ms``), the delay and the scale are taken against it: at ``base_ms`` the disk itself."""
     from specprefetch.runtime.core.storage import StorageProfile
     from specprefetch.runtime.simulation.budget_model import shaped_device
 
@@ -286,21 +287,26 @@ def test_shaped_device_takes_the_asked_load_time(emulation: str) -> None:
         dev = shaped_device(disk, emulation, t)
         assert dev.transfer_s() * 1e3 == pytest.approx(t) and dev.modelled and not dev.demand_first
         assert (dev.bandwidth_mbps == 2000.0) == (emulation == "delay" and t >= base or t == base)
+    iso = 2.5  # the disk's isolated read; the model (its service time under load) is faster
+    for t in (0.3, iso, 4.0, 20.0):
+        dev = shaped_device(disk, emulation, t, iso)
+        slower = emulation == "delay" and t >= iso
+        want = base + (t - iso) if slower else base * t / iso
+        assert dev.transfer_s() * 1e3 == pytest.approx(want)
+        assert (dev.bandwidth_mbps == pytest.approx(2000.0)) == (slower or t == iso)
 
 
-def test_the_disk_model_is_fitted_to_the_isolated_read_and_the_runtimes_service_time() -> None:
-    """The simulator's disk from a window profile: a load alone takes the isolated read's time, back to back one
-    expert per the runtime's measured service time (the rest of the isolated read is a pipelined latency); without
-    an isolated read, no latency; without the runtime's service time, the disk fitted alone."""
-    from specprefetch.runtime.simulation.simrun import disk_model
+def test_the_disk_model_serves_one_expert_per_the_runtimes_service_time() -> None:
+    """The simulator's disk from a window profile: one expert per the runtime's measured service time, no latency on
+    top (the isolated read is not what the runtime's loads take), the run inputs' model at the profiled service time;
+    without the runtime's service time, the disk fitted alone."""
+    from specprefetch.runtime.simulation.simrun import disk_model, service_disk
 
     prof = {"payload_bytes": 2_000_000, "physical_model": {"bandwidth_mbps": 2000.0, "latency_ms": 0.5},
             "transfer_ms_in_runtime": {"nvme_cold": 1.6}, "transfer_ms": {"nvme_cold": {"transfer_ms": 1.9}}}
     d = disk_model(prof, {"io_order": "fifo"})
-    assert d.transfer_s() * 1e3 == pytest.approx(1.9) and d.latency_ms == pytest.approx(0.3) and not d.demand_first
-    assert 2_000_000 / (d.bandwidth_mbps * 1e6) * 1e3 == pytest.approx(1.6)  # the data phase: the service time
-    d = disk_model({**prof, "transfer_ms": {}}, {"io_order": "fifo"})
-    assert d.latency_ms == 0.0 and d.transfer_s() * 1e3 == pytest.approx(1.6)
+    assert d.transfer_s() * 1e3 == pytest.approx(1.6) and d.latency_ms == 0.0 and not d.demand_first
+    assert d == service_disk(2_000_000, 1.6, demand_first=False)
     fitted = disk_model({**prof, "transfer_ms_in_runtime": {"nvme_cold": float("nan")}}, {})
     assert (fitted.bandwidth_mbps, fitted.latency_ms, fitted.demand_first) == (2000.0, 0.5, True)
 

@@ -139,12 +139,15 @@ def fastest(per_budget: Mapping[int, float]) -> int:
     return min(finite, key=lambda m: (-finite[m], m))
 
 
-def shaped_device(disk: StorageProfile, emulation: str, transfer_ms: float) -> StorageProfile:
-    """A device of the disk model's shape (:func:`~specprefetch.runtime.simulation.simrun.disk_model`) whose load of
-    one record takes ``transfer_ms``: under the ``delay`` emulation, no faster than the disk, the disk plus a per-load
-    delay (loads overlap their delays); otherwise (faster than the disk, or the ``bandwidth`` emulation) the disk's
-    latency and transfer time scaled alike."""
-    base_ms = disk.transfer_s() * 1e3
+def shaped_device(disk: StorageProfile, emulation: str, transfer_ms: float,
+                  base_ms: float | None = None) -> StorageProfile:
+    """The device of the W/t axis whose isolated load of one record takes ``transfer_ms``, given that the disk model
+    (:func:`~specprefetch.runtime.simulation.simrun.disk_model`) stands for a disk whose isolated load takes
+    ``base_ms`` (default: the model's own load time): under the ``delay`` emulation a device no faster than the disk is
+    the disk plus a per-load delay of the difference (loads overlap their delays), as the runtime emulates one;
+    otherwise (faster than the disk, or the ``bandwidth`` emulation) the disk's latency and transfer time scaled by
+    ``transfer_ms / base_ms``."""
+    base_ms = disk.transfer_s() * 1e3 if base_ms is None else base_ms
     dev = replace(disk, name="w/t", emulation="bandwidth")
     if emulation == "delay" and transfer_ms >= base_ms:
         return replace(dev, latency_ms=disk.latency_ms + transfer_ms - base_ms)
@@ -184,10 +187,10 @@ def budget_curves(profile: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
                 for m, v in per.items()]
     ref = settings["reference_storage"]
     compute, _, _ = profile_inputs(dict(profile), ref, dict(settings))
-    disk = disk_model(profile, settings)
+    disk, disk_ms = disk_model(profile, settings), isolated_ms(profile, ref)
     for x in tqdm(W_OVER_T_GRID, desc="simulated W/t axis", disable=None):
         t = w / x
-        device = shaped_device(disk, emulation, t)
+        device = shaped_device(disk, emulation, t, disk_ms)
         off, per, best = sim.curve(compute, device, None)
         by_window = derive_m_max(w, t, sim.n_experts)
         for rule, m in (("window", min(by_window, max(sim.budgets))), ("simulated", best)):
