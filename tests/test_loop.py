@@ -300,8 +300,9 @@ def test_one_replay_input_for_events_and_records(store: ExpertStore, tmp_path: P
 
 def test_the_compute_the_io_takes_is_charged_per_demand_load_issuing_layer_and_prefetch() -> None:
     """The profile's fit of how the I/O slows the model's compute (window.fit_interference) is charged by the
-    simulator: per load the compute thread performs itself, per layer that issues prefetches and per prefetch; with
-    instant transfers (decisions that do not depend on time) each adds exactly its count times its cost."""
+    simulator: per load the compute thread performs itself, per layer that issues prefetches and per prefetch a worker
+    serves; with instant transfers (decisions that do not depend on time, every issued prefetch served) each adds
+    exactly its count times its cost."""
     g = torch.Generator().manual_seed(3)
     steps = [SimStep(topk=[[sorted(torch.randperm(8, generator=g)[:2].tolist())] for _ in range(3)],
                      scores=[torch.rand(8, generator=g), torch.rand(8, generator=g), None]) for _ in range(6)]
@@ -322,6 +323,23 @@ def test_the_compute_the_io_takes_is_charged_per_demand_load_issuing_layer_and_p
         got = run(a, b, c)
         assert got.decode_s - base.decode_s == pytest.approx(1e-3 * count), (a, b, c)
         assert [ev.issued for ev in got.events] == [ev.issued for ev in base.events]
+
+
+def test_a_prefetch_costs_the_compute_its_cpu_only_when_a_worker_serves_it() -> None:
+    """The per-prefetch CPU is charged as a worker starts the load (at the compute thread's next step), so a queued
+    prefetch cancelled before it started costs nothing, as in the runtime (window.step_load counts served ones)."""
+    from specprefetch.runtime.simulation.simulator import _SimIO
+
+    cache = ExpertCache(8)
+    io = _SimIO(cache, StorageProfile("ram", "ram"), 1, 0.0, 1e-3, worker_cpu_s=0.5e-3)
+    for e in range(3):
+        cache.reserve((1, e))
+        io.submit((1, e), "prefetch", 1)  # one worker: the first starts, two wait in the queue
+    assert len(io.cancel_pending(1, keep=set())) == 2
+    io.account(1e-4)
+    assert io.now() == pytest.approx(1e-4 + 0.5e-3)  # the served one's CPU, once
+    io.account(1e-4)
+    assert io.now() == pytest.approx(2e-4 + 0.5e-3)
 
 
 def test_the_profiles_fit_of_the_compute_the_io_takes() -> None:

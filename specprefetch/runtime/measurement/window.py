@@ -317,13 +317,14 @@ def _total_s(comp: Mapping[str, Any]) -> float:
 def step_load(res: RunResult, comp: Mapping[str, Any]) -> dict[str, float]:
     """What a run's decoding steps cost its compute thread and what they asked of the I/O, per decoding step: the
     compute (``compute_ms``: bookkeeping and prediction, the experts without their stalls, the gaps between layers
-    and the head, from the run's :func:`compute_profile` ``comp``), demand loads, prefetches issued, and layers that
-    issued at least one prefetch."""
+    and the head, from the run's :func:`compute_profile` ``comp``), demand loads, prefetches the I/O workers served
+    (a queued prefetch cancelled before it started costs the compute nothing), and layers that issued at least one
+    prefetch."""
     dec = [ev for ev in res.events if ev.decode]
     steps = max(1, sum(1 for ev in dec if ev.layer == 0))
     return {"compute_ms": _total_s(comp) * 1e3,
             "demand": sum(ev.misses for ev in dec) / steps,
-            "prefetches": sum(len(ev.issued) for ev in dec) / steps,
+            "prefetches": sum(1 for tr in decoding_transfers(res) if not tr.inline) / steps,
             "issues": sum(1 for ev in dec if ev.issued) / steps}
 
 
@@ -336,7 +337,7 @@ def fit_interference(resident: Mapping[str, float], off: Mapping[str, float], pr
     - ``cpu_per_demand_ms``: OFF's extra compute over all-resident, per demand load.
     - ``cpu_per_issue_ms`` and ``cpu_per_prefetch_ms``: a prefetching run's extra compute over the predicting run
       (less the demand loads' share), as a cost per layer that issues prefetches (the I/O workers woken beside the
-      compute) plus one per prefetch, fitted exactly to the two budgets (least squares, both >= 0).
+      compute) plus one per prefetch a worker served, fitted exactly to the two budgets (least squares, both >= 0).
     Each is >= 0; a quantity the runs cannot separate (no demand loads, no prefetches) is 0."""
     demand = max(0.0, (off["compute_ms"] - resident["compute_ms"]) / off["demand"]) if off["demand"] > 0 else 0.0
     rows = [(r["issues"], r["prefetches"],

@@ -77,7 +77,7 @@ class ComputeProfile:
     gap_s: list[float]    # t_done(l) -> t_exec(l+1): attention, router, shared experts, ...
     head_s: float         # t_done(L-1) -> t_exec(0) of the next step: head, sampling, embedding, dense layers
     io_overhead_s: float = 0.0  # per transfer (worker hand-off)
-    cpu_per_prefetch_s: float = 0.0  # host CPU a worker-served transfer takes from the compute thread
+    cpu_per_prefetch_s: float = 0.0  # host CPU a worker-served transfer takes from the compute thread (when it starts)
     cpu_per_issue_s: float = 0.0  # ... a layer that issues prefetches (its workers woken beside the compute)
     cpu_per_demand_s: float = 0.0  # ... a load the compute thread performs itself (a demand load)
 
@@ -90,8 +90,9 @@ class ComputeProfile:
                       cpu_per_issue_s, cpu_per_demand_s)
 
     def issue_cpu_s(self, issued: Sequence[int]) -> float:
-        """The host CPU a prediction step's issue of ``issued`` takes from the compute thread."""
-        return self.cpu_per_prefetch_s * len(issued) + (self.cpu_per_issue_s if issued else 0.0)
+        """The host CPU a prediction step's issue of ``issued`` takes from the compute thread (the prefetches' own
+        CPU is charged as workers serve them: a queued prefetch cancelled before it starts costs none)."""
+        return self.cpu_per_issue_s if issued else 0.0
 
     @classmethod
     def of(cls, base: dict[str, Any], pred: dict[str, Any] | None = None, io_overhead_s: float = 0.0,
@@ -140,9 +141,11 @@ class _SimIO:
     """
 
     def __init__(self, cache: ExpertCache, storage: StorageProfile, n_workers: int, overhead_s: float,
-                 fixed_s: float | None, load_cpu_s: float = 0.0) -> None:
+                 fixed_s: float | None, load_cpu_s: float = 0.0, worker_cpu_s: float = 0.0) -> None:
         self.cache = cache
         self.load_cpu_s = load_cpu_s  # the compute a load it performs itself costs the compute thread after it
+        self.worker_cpu_s = worker_cpu_s  # ... and a load a worker serves, from when it starts
+        self.owed_s = 0.0  # the workers' loads' CPU not yet charged to the compute thread
         self.model = BandwidthModel(storage) if storage.emulated else None
         self.fifo = not storage.demand_first  # device.io_order (runtime.core.transfer)
         self.fixed_s = fixed_s
@@ -161,8 +164,10 @@ class _SimIO:
         return self.clock
 
     def account(self, seconds: float) -> None:
-        """The compute thread spent ``seconds``: the clock moves (completions are settled by ``poll``)."""
-        self.clock += seconds
+        """The compute thread spent ``seconds``, and the CPU the loads workers started since took from it: the clock
+        moves (completions are settled by ``poll``)."""
+        self.clock += seconds + self.owed_s
+        self.owed_s = 0.0
 
     def poll(self) -> None:
         self.advance(self.clock)
@@ -193,6 +198,8 @@ class _SimIO:
         self.pending.remove(tr)
         tr.state, tr.t_start = "running", t
         tr.t_end = self._end_of(t, tr.charged, demand=tr.cls == DEMAND)
+        if tr.charged:
+            self.owed_s += self.worker_cpu_s
         heapq.heappush(self.running, (tr.t_end, tr.seq, tr, worker))
 
     def submit(self, key: Key, kind: str, step: int) -> _Tr:
@@ -426,7 +433,8 @@ def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity
     cache = ExpertCache(cap)
     if preload:
         cache.preload((l, e) for l in range(n_layers) for e in range(n_experts))
-    io = _SimIO(cache, storage, io_workers, compute.io_overhead_s, fixed_transfer_s, compute.cpu_per_demand_s)
+    io = _SimIO(cache, storage, io_workers, compute.io_overhead_s, fixed_transfer_s, compute.cpu_per_demand_s,
+                compute.cpu_per_prefetch_s)
     replay = replay_provider(policy, n_layers, n_experts, lookahead)
     loop = LayerLoop(cache, io, replay, pol.issues, n_layers, n_experts,
                      lambda layer: layer_budget(m_max, layer_m_max, layer),
