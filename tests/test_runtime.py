@@ -669,8 +669,14 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     check_routing_record(record, tmp_path / "r.safetensors", "tiny")
     val = validate_simulator(record, prof, s)
     err = summarize_validation(val)
-    plain = [v for v in val if v["metric"] != "speedup"]
+    plain = [v for v in val if v["metric"] not in ("speedup", "service_ms")]
     assert len(plain) == len(record["runs"]) * 7 * 2 and set(err) == {"profile", "run"}
+    # the disk's service time, the profile's against each run's own: every run that read the disk and transferred
+    service = [v for v in val if v["metric"] == "service_ms"]
+    on_disk = [r for r in record["runs"].values() if r["row"]["policy"] != "resident"
+               and (r["row"]["storage"] == "nvme_cold" or s["emulation"] == "delay" and r["row"]["storage"] != "ram")]
+    assert service and len(service) == len(on_disk) and {v["inputs"] for v in service} == {"profile"}
+    assert len({round(v["simulated"], 9) for v in service}) == 1 and all(v["measured"] > 0 for v in service)
     # the speedup over the block's OFF (paired per repeat): every other configuration of a block with an OFF, under
     # both inputs; measured as the mean of the per-repeat ratios
     speed = [v for v in val if v["metric"] == "speedup"]

@@ -23,7 +23,8 @@ from specprefetch.render.cells import Cell, TableDoc, read_table_doc
 
 NUMBERS_FORMAT = "specprefetch-numbers/1"
 VERDICTS = ("holds", "fails", "unresolved")  # comparison.json's summary keys, besides checkable and n/a
-SIM_METRICS = ("tokens_per_s", "stall_ms", "ready_recall", "speedup")  # speedup: over the block's OFF, paired
+# speedup: over the block's OFF, paired; service_ms: the disk's service time, the profile's against the run's
+SIM_METRICS = ("tokens_per_s", "stall_ms", "ready_recall", "speedup", "service_ms")
 
 
 @dataclass(frozen=True)

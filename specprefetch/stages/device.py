@@ -179,7 +179,7 @@ def _cmd_validate_simulator(args: argparse.Namespace) -> None:
     summary = summarize_validation(val)
     for inputs, errs in summary.items():
         log.info("simulator vs measured (%s inputs), mean |relative error|: %s", inputs,
-                 ", ".join(f"{k} {v:.1%}" for k, v in errs.items()))
+                 ", ".join(f"{k} {v:.1%}" for k, v in errs.items() if v == v))  # NaN: no such row
     write_validation_csv(args.out, val)
     write_json_atomic(Path(args.out).with_suffix(".json"), {"validation_mean_abs_rel_error": summary})
 

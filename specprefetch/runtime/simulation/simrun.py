@@ -171,6 +171,12 @@ def check_routing_record(record: Any, path: str | Path, model: str) -> None:
                     raise ContractError(f"{at} timing {i} compute {col!r}: must be finite durations >= 0")
 
 
+def reads_disk(storage: str, settings: Mapping[str, Any]) -> bool:
+    """Whether a run on ``storage`` reads the physical disk: ``nvme_cold``, or an emulated storage under the ``delay``
+    emulation (the disk plus a delay)."""
+    return storage == "nvme_cold" or (storage in EMULATED and settings.get("emulation") == "delay")
+
+
 def service_disk(payload: int, service_ms: float, demand_first: bool = True) -> StorageProfile:
     """A disk serving one expert of ``payload`` bytes per ``service_ms``, one at a time, with no latency on top."""
     return StorageProfile("nvme_cold", "emulated", payload / (service_ms * 1e-3) / 1e6, 0.0, payload,
@@ -183,8 +189,7 @@ def _run_storage(profile: dict[str, Any], timing: dict[str, Any], storage: str, 
     ``delay`` emulation: the disk plus its delay) the disk serves one expert per the run's own service time, as
     :func:`disk_model` models it at the profiled one; other devices (RAM, the ``bandwidth`` emulation) keep ``dev``."""
     t = float(timing.get("service_ms", float("nan")))
-    delayed = storage in EMULATED and settings.get("emulation") == "delay"
-    if not (storage == "nvme_cold" or delayed) or not (math.isfinite(t) and t > 0):
+    if not reads_disk(storage, settings) or not (math.isfinite(t) and t > 0):
         return dev
     disk = service_disk(int(profile["payload_bytes"]), t, dev.demand_first)
     return disk if storage == "nvme_cold" else replace(dev, bandwidth_mbps=disk.bandwidth_mbps)
@@ -248,7 +253,22 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
                 rows.append({"inputs": inputs, **{k: m.get(k, "") for k in VALIDATION_COLUMNS[1:11]},
                              "metric": metric, "measured": measured, "simulated": float(got[metric]),
                              "rel_error": relative_error(float(got[metric]), measured), "n_repeats": len(repeats)})
+        rows += _service_rows(m, timings, storage, settings)
     return rows + _speedup_rows(record["runs"], simulated)
+
+
+def _service_rows(row: Mapping[str, Any], timings: Sequence[Mapping[str, Any]], device: StorageProfile,
+                  settings: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``service_ms`` (``profile`` inputs): the disk's per-expert service time the profile gave the simulator against
+    the one the run measured (mean over its repeats), for a run that read the disk (``nvme_cold``, or an emulated
+    storage under the ``delay`` emulation): how far the disk moved between profiling and benchmarking, the part of
+    the throughput's error from the profile that no model of the runtime can remove."""
+    got = [float(t["service_ms"]) for t in timings if math.isfinite(float(t.get("service_ms", float("nan"))))]
+    if not (reads_disk(row["storage"], settings) and got and device.bandwidth_mbps > 0):
+        return []
+    measured, sim = statistics.fmean(got), device.charged_bytes / (device.bandwidth_mbps * 1e6) * 1e3
+    return [{"inputs": "profile", **{k: row.get(k, "") for k in VALIDATION_COLUMNS[1:11]}, "metric": "service_ms",
+             "measured": measured, "simulated": sim, "rel_error": relative_error(sim, measured), "n_repeats": len(got)}]
 
 
 def _block_of(row: Mapping[str, Any]) -> tuple[str, bool]:
@@ -290,7 +310,7 @@ def summarize_validation(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, 
     out: dict[str, dict[str, float]] = {}
     for inputs in dict.fromkeys(r["inputs"] for r in rows):
         out[inputs] = {}
-        for metric in (*METRICS, "speedup"):
+        for metric in (*METRICS, "speedup", "service_ms"):
             errs = [abs(r["rel_error"]) for r in rows
                     if r["inputs"] == inputs and r["metric"] == metric and math.isfinite(r["rel_error"])]
             out[inputs][metric] = statistics.fmean(errs) if errs else float("nan")
