@@ -620,9 +620,10 @@ def pool_runs(per_run: Sequence[Sequence[Test]]) -> tuple[Verdict, str] | None:
     if len(per_run) < 2 or not all(per_run):
         return None
     first = {t.key: t for t in per_run[0]}
-    if any({t.key: (t.rule, t.tolerance, t.inverted) for t in tests}
-           != {k: (t.rule, t.tolerance, t.inverted) for k, t in first.items()} for tests in per_run):
-        return None
+    for tests in per_run:
+        own = {t.key: t for t in tests}
+        if own.keys() != first.keys() or not all(first[k].same_effect(t) for k, t in own.items()):
+            return None
     k = len(per_run)
     tq = t_ppf(0.975, k - 1)
     decisions, texts = [], []
