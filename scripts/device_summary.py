@@ -54,7 +54,8 @@ def policy_table(runs: pd.DataFrame, path: Path) -> str:
         out.append("| policy | M_max | tok/s | gain vs OFF % [95 % CI] | ReadyRecall | demand loads | "
                    "bound tok/s (share) | bound, own compute (share) |")
         out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
-        sub = sub.assign(**{k: sub[k].fillna("") if k in sub else "" for k in ("layer_m_max", "budget_rule")})
+        sub = sub.assign(**{k: sub[k].astype(object).fillna("") if k in sub else ""
+                            for k in ("layer_m_max", "budget_rule")})
         keys = ["policy", "m_max", "compute_opt", "layer_m_max", "budget_rule"]
         order = {p: i for i, p in enumerate(POLICY_ORDER)}
         for key, r in sorted(sub.groupby(keys, sort=False, dropna=False), key=lambda kv: order.get(kv[0][0], 99)):
@@ -80,7 +81,8 @@ def spread(runs: pd.DataFrame, path: Path) -> str:
            "| model | experiment | storage | configuration | repeats | per repeat | std | CI half-width | "
            "repeats for ±2 pp |", "|---|---|---|---|---:|---|---:|---:|---:|"]
     sel = g[~g["policy"].isin(["off", "resident"])]
-    sel = sel.assign(**{k: sel[k].fillna("") if k in sel else "" for k in ("layer_m_max", "budget_rule")})
+    sel = sel.assign(**{k: sel[k].astype(object).fillna("") if k in sel else ""
+                        for k in ("layer_m_max", "budget_rule")})
     keys = ["model", "experiment", "storage", "policy", "m_max", "compute_opt", "layer_m_max", "budget_rule"]
     for (model, exp, st, pol, m, opt, per, rule), r in sel.groupby(keys, sort=False, dropna=False):
         if r["measured_in"].iloc[0] != exp:
@@ -126,7 +128,7 @@ def across_blocks(runs: pd.DataFrame) -> str:
     keys = [k for k in ("model", "policy", "storage", "m_max", "compute_opt", "layer_m_max", "budget_rule",
                         "lookahead", "batch", "emulation", "io_order") if k in runs]
     # a device.variants benchmark (rows "<experiment>@<variant>") has blocks of its own under the same names
-    r = runs.assign(**{k: runs[k].fillna("") for k in keys},
+    r = runs.assign(**{k: runs[k].astype(object).fillna("") for k in keys},
                     block=runs["block"] + runs["experiment"].str.extract(r"(@.*)$")[0].fillna(""))
     size = r.drop_duplicates([*keys, "block"]).groupby(["model", "block"]).size()  # the runs a round of a block
     out = ["\n**The same configuration in several blocks** (mean tok/s per block over its repeats)\n",
