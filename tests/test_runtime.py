@@ -1743,4 +1743,8 @@ def test_batch_experiment_profiles_its_window_and_benchmarks_each_batch(tmp_path
     record = load_tensor_tree(tmp_path / "r.st", ROUTING_FORMAT, "routing record")
     val = validate_simulator(record, prof, s)
     assert val and {v["storage"] for v in val} == {"nvme_cold"}
-    assert len({(v["policy"], v["inputs"], v["metric"]) for v in val if v["metric"] != "speedup"}) == 3 * 2 * 7
+    assert len({(v["policy"], v["inputs"], v["metric"]) for v in val
+                if v["metric"] not in ("speedup", "service_ms")}) == 3 * 2 * 7
+    # the disk's service time of the batch-1 runs that transferred (OFF, the prefetching policy), not of batches
+    assert {(v["policy"], v["inputs"]) for v in val if v["metric"] == "service_ms"} == {("off", "profile"),
+                                                                                     ("specprefetch", "profile")}
