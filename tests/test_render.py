@@ -1018,6 +1018,24 @@ def test_figure4_sets_the_window_rules_budget_against_the_sweep_on_every_storage
     assert cells["peak_m_max"].value == 8  # Figure 4 itself stays on the cold storage
 
 
+def test_cells_name_the_budget_the_host_chose(cfg: dict) -> None:
+    """diff-tables' inputs: a sweep point off device.sweep_m_max is there because a rule chose its budget (key
+    ``chosen``); Figure 5's SpecPrefetch cells carry the budget they ran at (key ``m_max``), OFF's do not."""
+    from specprefetch.render.cells import CHOSEN
+    from specprefetch.render.figures import figure_budget, figure_storage
+
+    runs = _runs_rows()
+    grid = set(cfg["device"]["sweep_m_max"])
+    fig4 = figure_budget(runs, cfg).doc.by_id()
+    points = {c.keys["m_max"]: bool(c.keys.get(CHOSEN)) for cid, c in fig4.items() if cid.endswith("/throughput")
+              and "m_max" in c.keys}
+    assert points and {m for m, chosen in points.items() if chosen} == set(points) - grid == {6, 10, 12}
+    fig5 = figure_storage(runs, cfg).doc.by_id()
+    assert fig5["slow_ufs/gain"].keys["m_max"] == fig5["slow_ufs/SpecPrefetch/throughput"].keys["m_max"] == 8
+    assert fig5["bandwidth:slow_ufs/gain"].keys["m_max"] == 2  # the variant's own budget
+    assert "m_max" not in fig5["slow_ufs/OFF/throughput"].keys
+
+
 def _curve_rows(runs: pd.DataFrame) -> pd.DataFrame:
     """A budget_curve.csv for the fixture: per storage its W/t and the simulated throughput per budget (peaking at
     4), and the W/t axis under each rule, for the default's emulation and I/O order and the variants'."""

@@ -87,6 +87,12 @@ class Cell:
 
 OPTIONAL_FIELDS = ("lo", "hi", "spread", "repeats")  # left out of a cell's JSON when None
 
+# The key of a cell measured only because a rule chose its budget on this host (a sweep point off the configured
+# grid, a budget rule's row where its budgets differ from the paper rule's): on another hour the rule may choose
+# another budget, and the cell is then absent. ``diff-tables`` reports such a cell appearing or vanishing without
+# failing; the move of the budget itself is judged on the cells both renderings have.
+CHOSEN = "chosen"
+
 
 @dataclass
 class TableDoc:

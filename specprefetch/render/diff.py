@@ -19,10 +19,20 @@ them): ``max(abs, rel · max(|old|, |new|))``. Absolute quantities (tok/s, ms, R
 a relative allowance (35 % / 25 %: a host 30 % faster moves every throughput); gains, ratios inside one paired block,
 get max(2 pp, 15 %) (they move with the host's compute-to-transfer ratio, far less than with its speed). A cell of
 such a quantity without ``n`` >= 2 and ``std`` on both sides (one repeat, an older JSON) falls back to the fixed
-tolerance below and its line says so. Figure 4's ``peak_m_max`` (the argmax of the sweep's mean throughputs,
-:data:`PEAKS`) may move between two budgets whose throughputs are a tie by the test in both renderings. Everything
-else (recall, deterministic given the seeds; parameter counts; budgets chosen by a rule) is compared with the fixed
-tolerances. Both come from ``render.tolerances``::
+tolerance below and its line says so.
+
+Budgets the host chose. On another hour the window profile measures another W/t and its rule another budget; the
+cells then measure other configurations. A budget cell with ``n``/``std`` (``m_max``: the budget-rule figure's) is
+judged by the test with the allowance of a time (W/t moves as the host's compute does: 35 % of the budget, or one
+step of the floor where that is more). A cell that carries the budget it ran at (key ``m_max``: Figure 5's
+SpecPrefetch bars, Table 5, the rules' losses) and moved past its tolerance passes when its budget moved within that
+allowance, and says so. A cell that exists only because a rule chose its budget on that host (key ``chosen``: a
+sweep point off ``device.sweep_m_max``, a budget rule's row where its budgets differ from the paper rule's) may
+appear or vanish. Figure 4's ``peak_m_max`` (and a variant's, the argmax of the sweep's mean throughputs,
+:data:`PEAKS`) may move between two budgets whose throughputs are a tie by the test in every rendering that
+measured both (one that measured only one of them cannot contradict the tie). The summary line counts the cells
+passed this way. Everything else (recall, deterministic given the seeds; parameter counts; a budget without
+``n``/``std``) is compared with the fixed tolerances. Both come from ``render.tolerances``::
 
     render:
       tolerances:
@@ -63,7 +73,7 @@ from typing import Any
 from specprefetch.contracts import ContractError, read_doc
 from specprefetch.io import SpecPrefetchError
 from specprefetch.metrics import CI
-from specprefetch.render.cells import TABLE_FORMAT, Cell, TableDoc, read_table_doc
+from specprefetch.render.cells import CHOSEN, TABLE_FORMAT, Cell, TableDoc, read_table_doc
 from specprefetch.render.claims import Test, Verdict, combine, judge_across_runs
 
 log = logging.getLogger(__name__)
@@ -104,10 +114,16 @@ class Allowance:
 # 35 % (all-resident 24.9 -> 33.7 tok/s). Gains are ratios inside one paired block: the host's speed cancels, its
 # compute-to-transfer ratio does not. Recall is absent: it is deterministic given the seeds (a rerun reproduces it),
 # so its seed CI is not the yardstick of a rerun; add `between_run` to judge it by the test.
+# A budget a rule chose (quantity ``m_max`` with n/std: the budget-rule figure's, per repeat) is the floor of a
+# measured ratio W/t (W_l/t), or the argmax of a curve the simulator drew from it. W is the host's compute, a time
+# (35 % between runs); t is the disk's read, or fixed by the datasheet under the bandwidth emulation, so W/t moves
+# like a time: the budget may move by 35 % of itself, and by one step of the floor where that is more. A cell measured
+# at a budget (key ``m_max``) that moved past its own tolerance measured another configuration: it passes when its
+# budget moved within that (:func:`judge_budget`).
 BETWEEN_RUN: dict[str, Allowance] = {
     "throughput": Allowance(rel=0.35), "latency_ms": Allowance(rel=0.35), "window_ms": Allowance(rel=0.35),
     "demand_ms": Allowance(rel=0.35), "share_pct": Allowance(rel=0.25), "ready_recall": Allowance(rel=0.25),
-    "gain": Allowance(abs=2.0, rel=0.15)}
+    "gain": Allowance(abs=2.0, rel=0.15), "m_max": Allowance(abs=1.0, rel=0.35)}
 
 
 def _betacf(a: float, b: float, x: float) -> float:
@@ -219,29 +235,63 @@ def missing_stats(c: Cell, side: str, where: str) -> str | None:
 
 
 # Cells that are the argmax of other cells of their table (the budget sweep's fastest M_max, Figure 4): a template of
-# the cells they pick from. When the argmax moves it passes if, in OLD and in NEW alike, the throughputs at the two
-# budgets are a tie by the test (Welch, no between-run allowance: one run, one block): the sweep's peak is flat and
-# noise picked another point of it (when the points' quantity is judged by the test at all: without `between_run`
-# the argmax is compared exactly). A budget chosen by a rule (the window profile's) stays exact.
+# the cells they pick from. When the argmax moves it passes if, in every rendering that measured both budgets, the
+# throughputs at the two are a tie by the test (Welch, no between-run allowance: one run, one block): the sweep's
+# peak is flat and noise picked another point of it (when the points' quantity is judged by the test at all: without
+# `between_run` the argmax is compared exactly; also when neither rendering measured both budgets).
 PEAKS: dict[str, tuple[str, str]] = {"peak_m_max": ("M{}/throughput", "throughput")}  # template, quantity
+
+
+def peak_of(cid: str) -> tuple[str, str] | None:
+    """(the template of its points, their quantity) for an argmax cell of :data:`PEAKS`, a variant's too (id prefix
+    ``<variant>:``, its points carry the same prefix); None for any other cell."""
+    variant, _, name = cid.rpartition(":")
+    if name not in PEAKS:
+        return None
+    template, quantity = PEAKS[name]
+    return (f"{variant}:{template}" if variant else template), quantity
 
 
 def judge_peak(cid: str, a: Cell, b: Cell, old: Mapping[str, Cell], new: Mapping[str, Cell], level: float,
                names: tuple[str, str]) -> tuple[bool, str] | None:
-    """(a tie in both renderings, the evidence) for an argmax cell of :data:`PEAKS` whose value moved from ``a`` to
-    ``b``; None when a rendering lacks either point or its n/std (then the cell is compared exactly)."""
+    """(a tie in every rendering that measured both budgets, the evidence) for an argmax cell of :data:`PEAKS` whose
+    value moved from ``a`` to ``b``. A rendering that lacks one of the two points (a point a rule chose, measured in
+    one run only) cannot contradict the tie and is named as such; None when a rendering has both points without
+    n/std, or neither has both (then the cell is compared exactly)."""
     assert a.value is not None and b.value is not None
-    parts, tie = [], True
+    parts, tie, judged = [], True, 0
     for side, cells, where in (("OLD", old, names[0]), ("NEW", new, names[1])):
-        x, y = cells.get(PEAKS[cid][0].format(int(a.value))), cells.get(PEAKS[cid][0].format(int(b.value)))
-        if x is None or y is None or not (_finite(x.value) and _finite(y.value)) \
-                or missing_stats(x, side, where) or missing_stats(y, side, where):
-            return None
+        template = peak_of(cid)
+        assert template is not None
+        x, y = cells.get(template[0].format(int(a.value))), cells.get(template[0].format(int(b.value)))
+        if x is None or y is None or not (_finite(x.value) and _finite(y.value)):
+            parts.append(f"{side} did not measure both M{int(a.value)} and M{int(b.value)}")
+            continue
+        if missing_stats(x, side, where) or missing_stats(y, side, where):
+            return None  # measured both, but the test cannot judge them
         w = welch(x, y, level, Allowance())
-        tie = tie and w.passes
+        tie, judged = tie and w.passes, judged + 1
         parts.append(f"{side} {x.id} {_with_ci(x)} vs {y.id} {_with_ci(y)}: Δ {w.diff:+.3g} "
                      f"{'within' if w.passes else 'outside'} ±{w.allowed:.3g}")
-    return tie, "; ".join(parts)
+    return (tie, "; ".join(parts)) if judged else None
+
+
+def judge_budget(a: Cell, b: Cell, allowance: Allowance | None) -> tuple[bool, str] | None:
+    """(the budget's move is one a rerun explains, the evidence) for two cells of one id measured at different
+    budgets (key ``m_max`` in both, other values) whose values moved past their tolerance: they measured two
+    configurations, and the move passes when the budget's does, within ``allowance`` (:data:`BETWEEN_RUN`'s
+    ``m_max``). None when the cells do not carry two budgets, or they are budgets themselves, or budgets are compared
+    exactly (``between_run: false``)."""
+    ma, mb = a.keys.get("m_max"), b.keys.get("m_max")
+    if a.quantity == "m_max" or allowance is None or not all(isinstance(m, (int, float)) for m in (ma, mb)) \
+            or ma == mb:
+        return None
+    assert isinstance(ma, (int, float)) and isinstance(mb, (int, float))
+    limit = allowance.at(float(ma), float(mb))
+    ok = abs(float(mb) - float(ma)) <= limit + 1e-9
+    return ok, (f"past its tolerance, but measured at M_max {ma:g} in OLD, {mb:g} in NEW: another configuration; "
+                f"the budget moved by {float(mb) - float(ma):+g}, {'within' if ok else 'past'} ±{limit:g} "
+                f"({allowance.describe()}, a rerun's step)")
 
 
 # ------------------------------------------------------------------------------------------------- fixed tolerances
@@ -335,21 +385,27 @@ class Move:
     judged: Welch | None = None  # the statistical test decided
     fallback: str | None = None  # a measured quantity judged by the fixed tolerance: why
     peak: str | None = None  # an argmax cell (PEAKS) judged by its points' CIs: the evidence
+    budget: str | None = None  # measured at another budget (judge_budget): the evidence
 
     def line(self) -> str:
         tag = "FAIL" if self.failed else "ok  "
+        chosen = " (a configuration a rule chose on that host: measured only where it chose it)" \
+            if not self.failed and (self.old or self.new) is not None and (self.old or self.new).keys.get(CHOSEN) \
+            else ""
         if self.kind == "added":
-            return f"  {tag}  {self.cell_id}: added ({_show(self.new)})"
+            return f"  {tag}  {self.cell_id}: added ({_show(self.new)}){chosen}"
         if self.kind == "removed":
-            return f"  {tag}  {self.cell_id}: removed (was {_show(self.old)})"
+            return f"  {tag}  {self.cell_id}: removed (was {_show(self.old)}){chosen}"
         if self.kind == "dash":
             return f"  {tag}  {self.cell_id}: {_show(self.old)} -> {_show(self.new)} (a value appeared or vanished)"
         assert self.old is not None and self.new is not None and self.tolerance is not None
         o, n = self.old.value, self.new.value
         assert o is not None and n is not None
         rel = f", {100 * (n - o) / abs(o):+.1f}%" if o else ""
+        if self.budget is not None:
+            return f"  {tag}  {self.cell_id}: {_show(self.old)} -> {_show(self.new)} ({self.budget})"
         if self.peak is not None:
-            verdict = "a tie by CI in both" if not self.failed else "not a tie by CI"
+            verdict = "a tie by CI where measured" if not self.failed else "not a tie by CI"
             return f"  {tag}  {self.cell_id}: {_show(self.old)} -> {_show(self.new)} (the sweep's argmax, {verdict}: " \
                    f"{self.peak})"
         if self.judged is not None:
@@ -427,8 +483,13 @@ class DiffReport:
             out += [f"  {tag}  {v}" for v in self.verdicts]
         n_bad = (sum(m.failed for m in self.moves) + len(self.missing_tables) + len(self.new_tables)
                  + (len(self.verdicts) if self.strict_verdicts else 0))
+        other = [m for m in self.moves if m.budget is not None or (m.kind in ("added", "removed") and not m.failed
+                                                                   and (m.old or m.new) is not None
+                                                                   and bool((m.old or m.new).keys.get(CHOSEN)))]
         out.append(f"RESULT: {'FAIL' if self.failed else 'OK'} ({n_bad} failure(s), "
-                   f"{sum(not m.failed for m in self.moves)} move(s) within tolerance)")
+                   f"{sum(not m.failed for m in self.moves)} move(s) within tolerance"
+                   + (f", {len(other)} of them cells measured at another budget or only where a rule chose it: "
+                      "not compared by value" if other else "") + ")")
         return "\n".join(out)
 
 
@@ -519,9 +580,9 @@ def diff_docs(old: Mapping[str, TableDoc], new: Mapping[str, TableDoc], tol: Tol
                        for t, _, a, b in _pairs(old, new)
                        if a is not None and b is not None and _finite(a.value) and _finite(b.value))
     by_id = {name: (old[name].by_id(), new[name].by_id()) for name in rep.tables}
-    peaks = [(t, cid, a, b) for t, cid, a, b in _pairs(old, new) if cid in PEAKS and a is not None and b is not None
+    peaks = [(t, cid, a, b) for t, cid, a, b in _pairs(old, new) if peak_of(cid) and a is not None and b is not None
              and _finite(a.value) and _finite(b.value) and a.value != b.value and not tol.get(t, a.quantity).ignore
-             and tol.get(t, PEAKS[cid][1]).between_run is not None]  # its points are judged by the test
+             and tol.get(t, peak_of(cid)[1]).between_run is not None]  # its points are judged by the test
     rep.n_judged += len(peaks)  # each moved argmax is one more test of the family
     rep.cell_level = 1.0 - (1.0 - FAMILY_LEVEL) / max(rep.n_judged, 1)
     for name, cid, a, b in _pairs(old, new):
@@ -529,7 +590,9 @@ def diff_docs(old: Mapping[str, TableDoc], new: Mapping[str, TableDoc], tol: Tol
         # M_max sweep's points move with the profiled budget on a noisy machine)
         ignored = tol.get(name, (a or b).quantity).ignore
         if a is None or b is None:
-            rep.moves.append(Move(name, cid, "added" if a is None else "removed", a, b, None, not ignored))
+            chosen = bool((a or b).keys.get(CHOSEN))  # a configuration a rule chose on one host only
+            rep.moves.append(Move(name, cid, "added" if a is None else "removed", a, b, None,
+                                  not (ignored or chosen)))
             continue
         if _finite(a.value) != _finite(b.value):
             rep.moves.append(Move(name, cid, "dash", a, b, None, not ignored))
@@ -549,9 +612,14 @@ def diff_docs(old: Mapping[str, TableDoc], new: Mapping[str, TableDoc], tol: Tol
         if by_test:
             assert t.between_run is not None
             w = welch(a, b, rep.cell_level, t.between_run)
-            rep.moves.append(Move(name, cid, "changed", a, b, t, not w.passes, judged=w))
+            move = Move(name, cid, "changed", a, b, t, not w.passes, judged=w)
         else:
-            rep.moves.append(Move(name, cid, "changed", a, b, t, not t.allows(a.value, b.value), fallback=fallback))
+            move = Move(name, cid, "changed", a, b, t, not t.allows(a.value, b.value), fallback=fallback)
+        # measured at another budget: a cell within its tolerance passes as any; one past it measured another
+        # configuration, and passes when its budget moved by a rerun's step (judge_budget)
+        moved = None if t.ignore or not move.failed else judge_budget(a, b, tol.get(name, "m_max").between_run)
+        rep.moves.append(move if moved is None else Move(name, cid, "changed", a, b, t, not moved[0],
+                                                         budget=moved[1]))
     return rep
 
 

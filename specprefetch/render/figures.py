@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from specprefetch.contracts import split_experiment, variant_experiment  # noqa: E402
 from specprefetch.io import atomic_path  # noqa: E402
-from specprefetch.render.cells import Cell, TableDoc, seed_fields  # noqa: E402
+from specprefetch.render.cells import CHOSEN, Cell, TableDoc, seed_fields  # noqa: E402
 from specprefetch.render.data import (  # noqa: E402
     BOUND_COLUMN,
     CI_META,
@@ -244,10 +244,12 @@ def _sweep(rows: pd.DataFrame, path: Path | str, cfg: Mapping[str, Any], what: s
     return summarize(spec, ["m_max"], ["tokens_per_s", "ready_pct"]), rows[rows["policy"] == "off"]
 
 
-def _sweep_cells(summ: pd.DataFrame, prefix: str, tag: dict[str, Any]) -> list[Cell]:
+def _sweep_cells(summ: pd.DataFrame, prefix: str, tag: dict[str, Any], grid: Sequence[int]) -> list[Cell]:
+    """A sweep's points and its argmax; a point off the configured grid (``device.sweep_m_max``) is there because
+    a rule chose its budget on this host (the window rule's, the simulated rule's): key ``chosen`` (CHOSEN)."""
     cells = []
     for r in summ.itertuples():
-        key = {"m_max": int(r.m_max), **tag}
+        key = {"m_max": int(r.m_max), **tag, **({CHOSEN: True} if int(r.m_max) not in set(grid) else {})}
         cells.append(_stat_cell(f"{prefix}M{r.m_max}/throughput", "throughput", r.tokens_per_s_stats, key))
         if r.ready_pct_stats is not None:
             cells.append(_stat_cell(f"{prefix}M{r.m_max}/ready_recall", "ready_recall", r.ready_pct_stats, key))
@@ -342,6 +344,7 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
     if not main.empty and main["m_max"].notna().any():
         profiled = int(main["m_max"].dropna().iloc[0])
     peak = int(summ.loc[summ["tokens_per_s_mean"].idxmax(), "m_max"])
+    grid = [int(m) for m in cfg["device"]["sweep_m_max"]]
     c = color("specprefetch")
     cells: list[Cell] = []
     variant_cells: list[Cell] = []
@@ -378,7 +381,7 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
                 ax1.axhline(vst.mean, color=color("off"), linestyle=":", linewidth=1.0, label=f"OFF, {order}")
                 variant_cells.append(_stat_cell(f"{v}:OFF/throughput", "throughput", vst,
                                                 {"policy": "OFF", "variant": v}))
-            variant_cells += _sweep_cells(vs, f"{v}:", {"variant": v}) + rule_losses(
+            variant_cells += _sweep_cells(vs, f"{v}:", {"variant": v}, grid) + rule_losses(
                 vrows, runs, sel, v, simulated_budgets(curve, sel, vrows))
         ax1.set_ylabel("Throughput (tok/s)")
         ax1.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3 if not others else 2, frameon=False,
@@ -403,7 +406,7 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
                          fontsize=6, color="#777777")
         fig.align_ylabels((ax1, ax2))
         fig.tight_layout(h_pad=0.4)
-    cells += _sweep_cells(summ, "", {}) + variant_cells + rule_losses(rows, runs, sel, None, sim_budget)
+    cells += _sweep_cells(summ, "", {}, grid) + variant_cells + rule_losses(rows, runs, sel, None, sim_budget)
     doc = TableDoc("fig4_budget", "Figure 4: prefetch budget sweep", cfg["profile"], cells,
                    meta={"platform": sel.platform, "model": sel.model, "profiled_m_max": profiled,
                          **({"simulated_m_max": simulated, "simulated_m_max_per_storage": sim_budget}
@@ -472,11 +475,12 @@ def figure_storage(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str 
         top_all = 0.0
         for ax, (variant, (g, bound)) in zip(axes[0], prepared.items(), strict=True):
             emulation = _setting(g, "emulation", "bandwidth")
-            top_all = max(top_all, _storage_panel(ax, g, bound, variant, cells, wrap=len(panels) > 1))
             spec = g[g["policy"] == "specprefetch"]
             storages = [s for s in STORAGE_ORDER if s in set(g["storage"])]
             budgets[variant or ""] = {s: _unique_m_max(spec[spec["storage"] == s], path,
                                                        f"Figure 5, SpecPrefetch on {s!r}") for s in storages}
+            top_all = max(top_all, _storage_panel(ax, g, bound, variant, cells, budgets[variant or ""],
+                                                  wrap=len(panels) > 1))
             if len(panels) > 1:
                 ax.set_title(EMULATION_TITLES.get(emulation, emulation), fontsize=7)
             if variant:
@@ -567,9 +571,10 @@ def _storage_gains(rows: pd.DataFrame, path: Path | str, has_bound: bool) -> tup
 
 
 def _storage_panel(ax: Any, g: pd.DataFrame, has_bound: bool, variant: str | None, cells: list[Cell],
-                   wrap: bool = False) -> float:
+                   budget: Mapping[str, int], wrap: bool = False) -> float:
     """Draw one panel of Figure 5 and append its cells; returns the panel's highest point (``wrap``: storage names
-    on two lines, for side-by-side panels)."""
+    on two lines, for side-by-side panels). SpecPrefetch's cells carry the budget it ran at on the storage (key
+    ``m_max``, ``budget``): a rerun whose window profile chose another budget measured another configuration."""
     extra = [BOUND_COLUMN, "of_bound_pct"] if has_bound else []
     storages = [s for s in STORAGE_ORDER if s in set(g["storage"])]
     policies = ["off", "specprefetch"]
@@ -604,9 +609,11 @@ def _storage_panel(ax: Any, g: pd.DataFrame, has_bound: bool, variant: str | Non
         st = sp["gain_pct_stats"].iloc[0]
         ax.text(i, top[s] * 1.03, _gain_label(st.mean), ha="center", va="bottom", fontsize=6.5,
                 color=color("specprefetch"), fontweight="bold")
-        cells.append(_stat_cell(f"{prefix}{s}/gain", "gain", st, {"storage": s, "policy": "SpecPrefetch", **tag}))
+        cells.append(_stat_cell(f"{prefix}{s}/gain", "gain", st, {"storage": s, "policy": "SpecPrefetch",
+                                                                  "m_max": budget[s], **tag}))
     for r in summ.itertuples():
-        key = {"storage": r.storage, "policy": POLICY_LABELS[r.policy], **tag}
+        key = {"storage": r.storage, "policy": POLICY_LABELS[r.policy], **tag,
+               **({"m_max": budget[r.storage]} if r.policy == "specprefetch" else {})}
         base = f"{prefix}{r.storage}/{POLICY_LABELS[r.policy]}"
         cells.append(_stat_cell(f"{base}/throughput", "throughput", r.tokens_per_s_stats, key))
         if has_bound:
@@ -1167,13 +1174,17 @@ def figure_budget_rules(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path |
                             yerr=[[r["gain_pct_mean"] - r["gain_pct_lo"]], [r["gain_pct_hi"] - r["gain_pct_mean"]]],
                             color=colour, marker=marker, markersize=5, linestyle="none", elinewidth=0.9, capsize=2,
                             markeredgecolor="white", markeredgewidth=0.5, label=label, zorder=3)
-                keys = {"storage": st, "rule": label, "budget_rule": rule}
+                # the configuration is the rule's budget (``m_max``: its mean per prediction step); a rule beyond
+                # the paper's runs only where its budgets differ from the others', a loss only beside another rule
+                keys = {"storage": st, "rule": label, "budget_rule": rule, "m_max": round(float(r["budget_mean"]), 3),
+                        **({CHOSEN: True} if rule != "window" else {})}
                 cells += [_stat_cell(f"{st}/{rule}/gain", "gain", r["gain_pct_stats"], keys),
                           _stat_cell(f"{st}/{rule}/throughput", "throughput", r["tokens_per_s_stats"], keys),
                           _stat_cell(f"{st}/{rule}/budget", "m_max", r["budget_stats"], keys)]
                 lo = loss_of.get(rule)
                 if lo is not None and lo["best"] != rule:
-                    cells.append(_stat_cell(f"{st}/{rule}/loss", "gain", lo["loss"], {**keys, "best": lo["best"]}))
+                    cells.append(_stat_cell(f"{st}/{rule}/loss", "gain", lo["loss"],
+                                            {**keys, "best": lo["best"], CHOSEN: True}))
             ax.axhline(0.0, color="#888888", linewidth=0.6, linestyle=":")
             ax.set_title(storage_label(st), loc="left")
             if len(loss_of) > 1:
