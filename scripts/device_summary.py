@@ -150,6 +150,8 @@ def validation(path: Path | None) -> str:
     if path is None:
         return ""
     v = pd.read_csv(path)
+    if "experiment" in v:  # a variant's benchmark (rows "<experiment>@<variant>") is a model of its own here
+        v["model"] = [f"{m}@{e.partition('@')[2]}" if "@" in str(e) else m for m, e in zip(v["model"], v["experiment"])]
     out = ["\n**Simulator vs measured** (mean |relative error|; max over configurations in brackets)\n",
            "| model | inputs | tok/s | stall | ReadyRecall | hits |", "|---|---|---:|---:|---:|---:|"]
     for (model, inputs), r in v.groupby(["model", "inputs"] if "inputs" in v else ["model"], sort=False):

@@ -480,8 +480,8 @@ class Pipeline:
     def simulated_csv(self, model: str = "{model}") -> str:
         return f"results/device/simulated/{model}.csv"
 
-    def sim_validation_csv(self, model: str = "{model}") -> str:
-        return f"results/device/sim_validation/{model}.csv"
+    def sim_validation_csv(self, model: str = "{model}", tag: str = "") -> str:
+        return f"results/device/sim_validation/{model}{tag}.csv"
 
     def accuracy_csv(self, model: str = "{model}") -> str:
         return f"results/device/accuracy/{model}.csv"

@@ -474,6 +474,9 @@ CASES = [
     Case("routing-of-another-model", _validate_sim(_routing_of("tiny-qwen3-vl-moe")),
          "routing record of model 'tiny-qwen3-vl-moe'"),
     Case("routing-truncated", _validate_sim(_routing_truncated), "r.safetensors: unreadable safetensors file"),
+    Case("validate-unknown-variant", lambda g, t: ([*_validate_sim(lambda g2, t2: g2["routing"])(g, t)[0],
+                                                    "--variant", "nope"], t / "val.csv"),
+         "unknown device variant 'nope'; device.variants has bandwidth, fifo"),
     # ---- workloads (check-disjoint)
     Case("samples-latin1", _disjoint(_samples_bytes(b'{"id": "caf\xe9"}\n')), "samples.jsonl:1: not UTF-8 text"),
     Case("samples-not-json", _disjoint(_samples_bytes(b'{"id": \n')), "samples.jsonl:1: not valid JSON"),

@@ -149,6 +149,13 @@ def test_cli_archives_the_simulator_validation_so_the_page_is_self_contained(tmp
     assert by["sim.profile.m.stall_ms"]["value"] == pytest.approx(30.0)
     numbers, missing = collect_numbers(tables)  # no flags: everything from the directory itself
     assert json.loads(json.dumps(numbers_json(numbers, missing))) == page
+    # a variant's benchmark (its rows' experiment "<exp>@<variant>", validate-simulator --variant) gets its own keys
+    both = _write(tmp_path / "both.csv", "inputs,model,experiment,policy,metric,rel_error\n"
+                  "profile,m,sweep,fate,tokens_per_s,0.1\nprofile,m,sweep@fifo,fate,tokens_per_s,-0.3\n")
+    by = numbers_by_key(numbers_json(*collect_numbers(tables, sim_validation=both)))
+    assert by["sim.profile.m.tokens_per_s"]["value"] == pytest.approx(10.0)
+    assert by["sim.profile.m@fifo.tokens_per_s"]["value"] == pytest.approx(30.0)
+    assert "experiment *@fifo" in by["sim.profile.m@fifo.tokens_per_s"]["locator"]
 
 
 @pytest.mark.parametrize("where, args", [

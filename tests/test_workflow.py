@@ -57,9 +57,10 @@ DEVICE_RULES = ("build_expert_store", "profile_window", "bench_runtime", "simula
                 "evaluate_offloaded")
 STAND_INS = {"train_tokenizer": 1, "pretrain_stand_in": 2, **{r: 2 for r in DEVICE_RULES}}
 def variants(n: int) -> dict[str, int]:
-    """profile_window and bench_runtime per (model, variant): each model's default plus ``n`` device.variants runs
-    (the bandwidth emulation's storage experiment, FIFO's sweep) of the models whose experiments they measure."""
-    return {"profile_window": n, "bench_runtime": n}
+    """profile_window, bench_runtime and validate_simulator per (model, variant): each model's default plus ``n``
+    device.variants runs (the bandwidth emulation's storage experiment, FIFO's sweep) of the models whose
+    experiments they measure."""
+    return {"profile_window": n, "bench_runtime": n, "validate_simulator": n}
 
 
 EXPECTED = {

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from specprefetch.contracts import check_csv, read_csv, read_doc, require
+from specprefetch.contracts import check_csv, read_csv, read_doc, require, split_experiment
 from specprefetch.io import SpecPrefetchError, atomic_path, write_json_atomic, write_text_atomic
 from specprefetch.render.cells import Cell, TableDoc, read_table_doc
 
@@ -271,21 +271,27 @@ def _runs(path: Path, c: _Collector) -> None:
 
 
 def _simulator(path: Path, c: _Collector) -> None:
-    """Per model and inputs: the mean and largest |relative error| of each metric over the measured configurations
-    (all-resident, a reference without transfers, left out), as ``scripts/device_summary.py`` prints it."""
+    """Per model, benchmark (the default's, each device.variants entry's: ``<model>@<variant>``, from the rows'
+    ``experiment``) and inputs: the mean and largest |relative error| of each metric over the measured
+    configurations (all-resident, a reference without transfers, left out), as ``scripts/device_summary.py`` prints
+    it."""
     s = "Simulator vs measured"
     cols = ("inputs", "model", "policy", "metric", "rel_error")
     df = read_csv(path, cols, "simulator validation CSV")
     df = df[df["policy"] != "resident"]
-    for (inputs, model), g in df.groupby(["inputs", "model"], sort=False):
+    variants = (split_experiment(str(e))[1] for e in df["experiment"]) if "experiment" in df else (None,) * len(df)
+    df = df.assign(bench=[f"{m}@{v}" if v else str(m) for m, v in zip(df["model"], variants, strict=True)])
+    for (inputs, bench), g in df.groupby(["inputs", "bench"], sort=False):
+        model, _, variant = bench.partition("@")
+        sel = f"model={model}, experiment " + (f"*@{variant}" if variant else "without @")
         for metric in SIM_METRICS:
             e = g[g["metric"] == metric]["rel_error"].astype(float).abs().dropna()
             if e.empty:
                 continue
             mean, top = float(e.mean()) * 100.0, float(e.max()) * 100.0
-            c.add(s, f"sim.{inputs}.{model}.{metric}", f"{model}, {inputs} inputs: {metric} error (mean over "
+            c.add(s, f"sim.{inputs}.{bench}.{metric}", f"{bench}, {inputs} inputs: {metric} error (mean over "
                   f"{len(e)} configurations)", round(mean, 3), f"{mean:.1f} % (at most {top:.1f} %)", path,
-                  f"rows:inputs={inputs}, model={model}, metric={metric}, policy != resident: mean of |rel_error|")
+                  f"rows:inputs={inputs}, {sel}, metric={metric}, policy != resident: mean of |rel_error|")
 
 
 # ------------------------------------------------------------------------------------------------ public

@@ -159,7 +159,7 @@ def _cmd_validate_simulator(args: argparse.Namespace) -> None:
         check_window_profile,
         load_tensor_tree,
     )
-    from specprefetch.runtime.core.settings import device_settings
+    from specprefetch.runtime.core.settings import device_settings, variant_settings
     from specprefetch.runtime.simulation.simrun import (
         check_routing_record,
         summarize_validation,
@@ -168,7 +168,7 @@ def _cmd_validate_simulator(args: argparse.Namespace) -> None:
     )
 
     cfg = load_args_config(args)
-    settings = device_settings(cfg)
+    settings = variant_settings(device_settings(cfg), args.variant)  # the variant's emulation and I/O order
     torch.set_num_threads(int(settings["threads"]))
     profile = _window_profile(args.window, args.model)
     record = load_tensor_tree(args.routing, ROUTING_FORMAT, "routing record of bench-runtime")
@@ -176,6 +176,11 @@ def _cmd_validate_simulator(args: argparse.Namespace) -> None:
     check_window_profile(profile, str(Path(args.window) / "profile.json"), required=WINDOW_SHAPE_KEYS)
     check_routing_values(record, str(args.routing), profile["n_layers"], profile["n_experts"], profile["top_k"])
     val = validate_simulator(record, profile, settings)
+    if args.variant:  # runs.csv's naming: the variant's rows are "<experiment>@<variant>"
+        from specprefetch.contracts import split_experiment, variant_experiment
+
+        val = [{**r, "experiment": variant_experiment(split_experiment(str(r["experiment"]))[0], args.variant)}
+               for r in val]
     summary = summarize_validation(val)
     for inputs, errs in summary.items():
         log.info("simulator vs measured (%s inputs), mean |relative error|: %s", inputs,
@@ -321,6 +326,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", required=True, type=Path, help="profile-window output directory")
     p.add_argument("--routing", required=True, type=Path, help="bench-runtime --routing-out file")
     p.add_argument("--out", required=True, type=Path, help="simulator-vs-measured CSV")
+    p.add_argument("--variant", default=None,
+                   help="a device.variants name: replay its benchmark under its emulation and I/O order (--window "
+                        "and --routing must be that variant's)")
     p.set_defaults(func=_cmd_validate_simulator)
 
     p = sub.add_parser("collect-device-benchmarks", help="validate external logs, merge everything into runs.csv")

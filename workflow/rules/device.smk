@@ -1,7 +1,8 @@
 # Offloaded-MoE runtime (issue 5): expert store, window profiling, paired runtime benchmarks, the trace-driven
 # simulator, external device logs, and accuracy through lm-eval (Tables 4-5, Figures 1, 4, 5, 6).
 # Timing rules take every core (threads: P.exclusive_threads) so nothing else runs while they measure.
-# profile_window and bench_runtime also measure each device.variants entry ({variant_tag}: "" or "@<variant>").
+# profile_window, bench_runtime and validate_simulator also measure each device.variants entry ({variant_tag}: ""
+# or "@<variant>").
 
 
 wildcard_constraints:
@@ -124,16 +125,17 @@ rule simulate_device:
 
 
 rule validate_simulator:
-    """Replay of every measured run in the simulator on this machine's profile: error per metric."""
+    """Replay of every measured run in the simulator on this machine's profile: error per metric (each variant's
+    benchmark on its own profile, under its emulation and I/O order)."""
     input:
-        window=P.window_dir(),
-        routing=P.routing_file(),
+        window=P.window_dir(tag="{variant_tag}"),
+        routing=P.routing_file(tag="{variant_tag}"),
     output:
-        P.sim_validation_csv(),
+        P.sim_validation_csv(tag="{variant_tag}"),
     log:
-        P.log_path("validate_simulator", "{model}"),
+        P.log_path("validate_simulator", "{model}{variant_tag}"),
     benchmark:
-        P.benchmark_path("validate_simulator", "{model}")
+        P.benchmark_path("validate_simulator", "{model}{variant_tag}")
     conda:
         P.conda_env
     threads: 1
@@ -143,9 +145,10 @@ rule validate_simulator:
         cli=P.cli,
         config=P.config_param,
         cfg=lambda w: P.hash_of("device", model=w.model),
+        variant=lambda w: P.variant_arg(w.variant_tag),
     shell:
         "{params.cli} validate-simulator --config {params.config:q} --model {wildcards.model:q} "
-        "--window {input.window:q} --routing {input.routing:q} --out {output:q} 2>&1 | tee {log:q}"
+        "--window {input.window:q} --routing {input.routing:q} {params.variant} --out {output:q} 2>&1 | tee {log:q}"
 
 
 rule evaluate_offloaded:
@@ -186,7 +189,7 @@ rule collect_device_benchmarks:
     input:
         measured=[P.measured_csv(m, tag) for m, tag in P.device_benchmarks()],
         simulated=[P.simulated_csv(m) for m in P.device_models],
-        validation=[P.sim_validation_csv(m) for m in P.device_models],
+        validation=[P.sim_validation_csv(m, tag) for m, tag in P.device_benchmarks()],
         windows=[P.window_dir(m) for m in P.device_models],
         variant_windows=[P.window_dir(m, tag) for m, tag in P.device_benchmarks() if tag],
         external=P.device["external_logs"],
