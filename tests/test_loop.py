@@ -342,6 +342,39 @@ def test_a_prefetch_costs_the_compute_its_cpu_only_when_a_worker_serves_it() -> 
     assert io.now() == pytest.approx(2e-4 + 0.5e-3)
 
 
+def test_the_compute_thread_runs_again_a_hand_off_after_a_load_it_waited_for() -> None:
+    """``wake_s`` (the runtime's measured t_woken - t_end) is charged when the compute thread blocked on a load a
+    worker served, not when the load had finished before it asked, nor on a load it performed itself."""
+    from specprefetch.runtime.simulation.simulator import _SimIO
+
+    cache = ExpertCache(8)
+    io = _SimIO(cache, StorageProfile("ram", "ram"), 1, 0.0, 1e-3, wake_s=0.2e-3)
+    cache.reserve((1, 0))
+    tr = io.submit((1, 0), "prefetch", 1)  # a worker serves it: 1 ms
+    io.wait(tr)
+    assert io.now() == pytest.approx(1e-3 + 0.2e-3)
+    cache.reserve((1, 1))
+    done = io.submit((1, 1), "prefetch", 1)
+    io.account(5e-3)
+    io.poll()
+    io.wait(done)  # finished while the compute ran: no hand-off
+    assert io.now() == pytest.approx(1.2e-3 + 5e-3)
+    cache.reserve((1, 2))
+    own = io.submit((1, 2), "demand", 1)
+    assert io.steal((1, 2)) is own
+    io.execute(own)  # the compute thread's own load
+    assert io.now() == pytest.approx(6.2e-3 + 1e-3)
+
+
+def test_the_profile_pools_the_measured_hand_off_over_its_runs() -> None:
+    """window.pooled_wake_ms: the runs' mean hand-offs weighted by their waits; 0 with no wait."""
+    from specprefetch.runtime.measurement.window import pooled_wake_ms
+
+    assert pooled_wake_ms([{"waits": 10.0, "wake_ms": 0.5}, {"waits": 30.0, "wake_ms": 0.9}, {"waits": 0.0}]) == \
+        pytest.approx(0.8)
+    assert pooled_wake_ms([{"waits": 0.0, "wake_ms": 0.0}, {}]) == 0.0
+
+
 def test_the_profiles_fit_of_the_compute_the_io_takes() -> None:
     """fit_interference recovers the costs a host with known costs would show, and never gives a negative cost."""
     from specprefetch.runtime.measurement.window import fit_interference

@@ -579,6 +579,8 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         assert set(io["runs"]) == {"resident", "off", "predicting", "prefetching_m1", f"prefetching_m{spec.top_k}"}
         assert io["runs"]["resident"]["demand"] == 0 < io["runs"]["off"]["demand"]
         assert io["runs"]["prefetching_m1"]["prefetches"] < io["runs"][f"prefetching_m{spec.top_k}"]["prefetches"]
+        # the hand-off back to the compute thread after a load a worker served while it waited, pooled over the runs
+        assert io["wake_ms"] >= 0 and all(r["waits"] >= 0 and r["wake_ms"] >= 0 for r in io["runs"].values())
         rows = bench_runtime(h, prof, "tiny", "test-cpu", tmp_path / "runs.csv", routing_out=tmp_path / "r.safetensors")
     finally:
         h.close()
@@ -696,7 +698,7 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         (tm,) = run["timings"]
         assert len(tm["compute"]["moe_s"]) == spec.n_layers and all(t > 0 for t in tm["compute"]["moe_s"])
         resident = run["row"]["policy"] == "resident"
-        assert (tm["n_transfers"] == 0) == resident and (resident or tm["transfer_ms"] > 0)
+        assert (tm["n_transfers"] == 0) == resident and (resident or tm["transfer_ms"] > 0) and tm["wake_ms"] >= 0
     # replayed with its own inputs, OFF's counters are the runtime's (the same routing through the same cache)
     off = {v["metric"]: v for v in val if v["inputs"] == "run" and v["policy"] == "off"
            and v["experiment"] == "main"}
@@ -1094,6 +1096,42 @@ def test_prefetches_wait_while_a_demand_load_is_outstanding(setup: dict[str, Any
         eng.execute(demand)
         eng.wait(pre)
         assert pre.state == "done" and pre.t_start >= demand.t_end
+    finally:
+        eng.shutdown()
+        reader.close()
+
+
+def test_a_waited_transfer_records_when_its_waiter_woke(setup: dict[str, Any]) -> None:
+    """TransferEngine.wait stamps ``t_woken`` on a load a worker finished while the caller blocked on it (the
+    hand-off back to the compute thread: window.wakes_ms, the simulator's wake_s); a load nobody waited for, or one
+    the caller performed itself, has none."""
+    from specprefetch.runtime.core.cache import ExpertCache, SlotPool
+    from specprefetch.runtime.core.transfer import TransferEngine
+
+    store = setup["store"]
+    # an SD card's 1 ms per read (emulated): the worker is still reading when the caller waits
+    reader = ExpertReader(store, make_profile("sdcard", _device(cold_each_read=False, emulation="bandwidth"),
+                                              store.layout.payload_bytes))
+    cache = ExpertCache(4)
+    eng = TransferEngine(reader, cache, SlotPool(4, store.layout, "cpu"), n_workers=1, retries=0)
+    try:
+        with cache.lock:
+            cache.reserve((1, 0))
+            waited = eng.submit((1, 0), "prefetch", 0)
+        eng.wait(waited)
+        assert waited.state == "done" and waited.t_woken >= waited.t_end > waited.t_start > 0
+        with cache.lock:
+            cache.reserve((1, 1))
+            late = eng.submit((1, 1), "prefetch", 0)
+            cache.reserve((0, 0))
+            own = eng.submit((0, 0), "demand", 0)
+        while not late.finished:
+            eng.wait_any(0.1)
+        eng.wait(late)  # finished before the call: nothing was handed back
+        if eng.steal((0, 0)) is own:
+            eng.execute(own)
+        eng.wait(own)
+        assert late.t_woken == 0.0 and (own.inline and own.t_woken == 0.0 or own.t_woken >= own.t_end)
     finally:
         eng.shutdown()
         reader.close()

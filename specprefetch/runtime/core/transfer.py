@@ -82,6 +82,7 @@ class Transfer:
     inline: bool = False      # performed by the compute thread (a stolen demand load)
     unneeded: bool = False    # a prefetch its target layer did not need: evict it first once it arrives
     charged: bool = True      # emulated storage delay applies (False: issued during prefill, which is not timed)
+    t_woken: float = 0.0      # the compute thread woke after waiting for it to finish (0: nobody blocked on it)
 
     @property
     def finished(self) -> bool:
@@ -198,10 +199,15 @@ class TransferEngine:
         return True
 
     def wait(self, tr: Transfer) -> None:
-        """Block until ``tr`` has finished (done, failed or cancelled)."""
+        """Block until ``tr`` has finished (done, failed or cancelled). When the caller did block and ``tr`` is
+        done, ``tr.t_woken`` is when it ran again: ``t_woken - t_end`` is the hand-off from the worker that finished
+        it back to the waiting thread (a wake-up that waits for a core the I/O workers hold on a small host)."""
         with self.cond:
+            blocked = not tr.finished
             while not tr.finished:
                 self.cond.wait()
+            if blocked and tr.state == "done":
+                tr.t_woken = time.perf_counter()
 
     def drain(self) -> None:
         """Wait until no transfer is queued or running (the simulator-matching synchronous mode)."""

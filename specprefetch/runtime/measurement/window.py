@@ -322,10 +322,26 @@ def step_load(res: RunResult, comp: Mapping[str, Any]) -> dict[str, float]:
     prefetch."""
     dec = [ev for ev in res.events if ev.decode]
     steps = max(1, sum(1 for ev in dec if ev.layer == 0))
+    woken = wakes_ms(res)
     return {"compute_ms": _total_s(comp) * 1e3,
             "demand": sum(ev.misses for ev in dec) / steps,
             "prefetches": sum(1 for tr in decoding_transfers(res) if not tr.inline) / steps,
-            "issues": sum(1 for ev in dec if ev.issued) / steps}
+            "issues": sum(1 for ev in dec if ev.issued) / steps,
+            "waits": len(woken) / steps, "wake_ms": statistics.fmean(woken) if woken else 0.0}
+
+
+def wakes_ms(res: RunResult) -> list[float]:
+    """Per decoding transfer a worker served while the compute thread blocked on it: the hand-off back to the compute
+    thread, ``t_woken - t_end`` in ms (``TransferEngine.wait``)."""
+    return [(tr.t_woken - tr.t_end) * 1e3 for tr in decoding_transfers(res)
+            if getattr(tr, "t_woken", 0.0) > 0 and not tr.inline]
+
+
+def pooled_wake_ms(loads: Sequence[Mapping[str, float]]) -> float:
+    """The mean hand-off over several runs' waits (:func:`step_load`'s ``wake_ms`` weighted by ``waits``); 0 without
+    a wait."""
+    n = sum(r.get("waits", 0.0) for r in loads)
+    return sum(r.get("waits", 0.0) * r.get("wake_ms", 0.0) for r in loads) / n if n > 0 else 0.0
 
 
 def fit_interference(resident: Mapping[str, float], off: Mapping[str, float], predicting: Mapping[str, float],
@@ -376,7 +392,9 @@ def lockstep_compute(harness: Harness, policy: str, prompts: list[Any]) -> dict[
     loads = {name: step_load(r, comps[name]) for name, r in res.items()}
     fit = fit_interference(loads["resident"], loads["off"], loads["predicting"],
                            [loads["prefetching_m1"], loads[f"prefetching_m{k}"]])
-    return {"opt": comps["resident"], "pred": comps["predicting"], "io_interference": {**fit, "runs": loads}}
+    wake = pooled_wake_ms([loads["off"], loads["prefetching_m1"], loads[f"prefetching_m{k}"]])
+    return {"opt": comps["resident"], "pred": comps["predicting"],
+            "io_interference": {**fit, "wake_ms": wake, "runs": loads}}
 
 
 def decoding_transfers(res: RunResult) -> list[Any]:

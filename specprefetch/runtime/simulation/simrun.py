@@ -111,16 +111,26 @@ def profile_inputs(profile: dict[str, Any], storage: str, settings: dict[str, An
     (``io_interference``, ``window.fit_interference``: per demand load, per layer that issues prefetches and per
     prefetch, measured as the slowdown of the model's compute in its OFF and prefetching runs) that fit, else the
     host CPU an isolated load takes (``transfer_cpu_ms``: the cold disk's, or a page-cache read's for the emulated
-    and RAM storages) per prefetch."""
+    and RAM storages) per prefetch; and, where the profile measured it (``io_interference.wake_ms``), the hand-off
+    back to the compute thread after a worker finished a load it waited for (under FIFO I/O, every demand load
+    queued behind prefetches)."""
     device, fixed, overhead = local_storage(profile, storage, settings)
     fit = profile.get("io_interference")
     if isinstance(fit, Mapping):
         return ComputeProfile.from_profile(profile, compute_opt, overhead,
                                            float(fit["cpu_per_prefetch_ms"]) * 1e-3,
                                            float(fit["cpu_per_issue_ms"]) * 1e-3,
-                                           float(fit["cpu_per_demand_ms"]) * 1e-3), device, fixed
+                                           float(fit["cpu_per_demand_ms"]) * 1e-3,
+                                           _wake_s(fit)), device, fixed
     cpu_ms = profile.get("transfer_cpu_ms", {}).get("nvme_cold" if storage == "nvme_cold" else "ram", 0.0)
     return ComputeProfile.from_profile(profile, compute_opt, overhead, float(cpu_ms) * 1e-3), device, fixed
+
+
+def _wake_s(d: Mapping[str, Any]) -> float:
+    """A profile's or a run's measured hand-off back to the compute thread (``wake_ms``), in s; 0 where it was not
+    measured (a profile or record from before it was) or is not finite."""
+    v = float(d.get("wake_ms", 0.0) or 0.0)
+    return v * 1e-3 if math.isfinite(v) and v > 0 else 0.0
 
 
 def check_routing_record(record: Any, path: str | Path, model: str) -> None:
@@ -242,7 +252,8 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
         overhead = compute.io_overhead_s
         timings = run.get("timings") or []
         if timings:  # the run's own compute includes what its transfers took from it: no separate CPU charge
-            per = [_simulate_run(run, seqs, profile, ComputeProfile.of(t["compute"], io_overhead_s=overhead),
+            per = [_simulate_run(run, seqs, profile, ComputeProfile.of(t["compute"], io_overhead_s=overhead,
+                                                                        wake_s=_wake_s(t)),
                                  _run_storage(profile, t, m["storage"], storage, settings), fixed) for t in timings]
             sims["run"] = {k: statistics.fmean(p[k] for p in per) for k in METRICS}
         repeats = run.get("repeats") or [m]

@@ -80,14 +80,15 @@ class ComputeProfile:
     cpu_per_prefetch_s: float = 0.0  # host CPU a worker-served transfer takes from the compute thread (when it starts)
     cpu_per_issue_s: float = 0.0  # ... a layer that issues prefetches (its workers woken beside the compute)
     cpu_per_demand_s: float = 0.0  # ... a load the compute thread performs itself (a demand load)
+    wake_s: float = 0.0  # the hand-off back to the compute thread after a worker finished a load it waited for
 
     @classmethod
     def from_profile(cls, prof: dict[str, Any], compute_opt: bool, io_overhead_s: float = 0.0,
                      cpu_per_prefetch_s: float = 0.0, cpu_per_issue_s: float = 0.0,
-                     cpu_per_demand_s: float = 0.0) -> ComputeProfile:
+                     cpu_per_demand_s: float = 0.0, wake_s: float = 0.0) -> ComputeProfile:
         comp = prof.get("compute_lockstep") or prof["compute"]  # as the benchmark's lockstep blocks compute
         return cls.of(comp["opt" if compute_opt else "loop"], comp["pred"], io_overhead_s, cpu_per_prefetch_s,
-                      cpu_per_issue_s, cpu_per_demand_s)
+                      cpu_per_issue_s, cpu_per_demand_s, wake_s)
 
     def issue_cpu_s(self, issued: Sequence[int]) -> float:
         """The host CPU a prediction step's issue of ``issued`` takes from the compute thread (the prefetches' own
@@ -97,12 +98,12 @@ class ComputeProfile:
     @classmethod
     def of(cls, base: dict[str, Any], pred: dict[str, Any] | None = None, io_overhead_s: float = 0.0,
            cpu_per_prefetch_s: float = 0.0, cpu_per_issue_s: float = 0.0,
-           cpu_per_demand_s: float = 0.0) -> ComputeProfile:
+           cpu_per_demand_s: float = 0.0, wake_s: float = 0.0) -> ComputeProfile:
         """From a ``window.compute_profile`` dict (``pred``: the one whose prediction durations to take)."""
         pred = pred or base
         return cls(list(base["book_s"]), list(pred["pred_s"]), list(pred["post_pred_s"]), list(base["moe_s"]),
                    list(base["gap_s"]), float(base["head_s"]), io_overhead_s, cpu_per_prefetch_s, cpu_per_issue_s,
-                   cpu_per_demand_s)
+                   cpu_per_demand_s, wake_s)
 
     def check(self, n_layers: int) -> None:
         for name in ("book_s", "pred_s", "post_pred_s", "moe_s", "gap_s"):
@@ -141,8 +142,10 @@ class _SimIO:
     """
 
     def __init__(self, cache: ExpertCache, storage: StorageProfile, n_workers: int, overhead_s: float,
-                 fixed_s: float | None, load_cpu_s: float = 0.0, worker_cpu_s: float = 0.0) -> None:
+                 fixed_s: float | None, load_cpu_s: float = 0.0, worker_cpu_s: float = 0.0,
+                 wake_s: float = 0.0) -> None:
         self.cache = cache
+        self.wake_s = wake_s  # a load a worker finished while the compute thread waited: its hand-off back
         self.load_cpu_s = load_cpu_s  # the compute a load it performs itself costs the compute thread after it
         self.worker_cpu_s = worker_cpu_s  # ... and a load a worker serves, from when it starts
         self.owed_s = 0.0  # the workers' loads' CPU not yet charged to the compute thread
@@ -252,11 +255,15 @@ class _SimIO:
         self.clock = tr.t_end + (self.load_cpu_s if tr.charged else 0.0)
 
     def wait(self, tr: _Tr) -> None:
-        """The compute thread waits for the running ``tr``: completions are settled in time order until it is."""
+        """The compute thread waits for the running ``tr``: completions are settled in time order until it is; it
+        runs again ``wake_s`` after (the runtime's measured hand-off, ``TransferEngine.wait``)."""
+        blocked = not tr.finished
         while not tr.finished:
             if not self.running:
                 raise SimulationError(f"waiting for the transfer of expert {tr.key}, which no worker serves")
             self._finish_next()
+        if blocked and tr.state == "done":
+            self.clock += self.wake_s
 
     def wait_any(self, timeout: float = 5.0) -> bool:
         """Progress: the next running transfer finishes, or the compute thread performs the best queued one
@@ -434,7 +441,7 @@ def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity
     if preload:
         cache.preload((l, e) for l in range(n_layers) for e in range(n_experts))
     io = _SimIO(cache, storage, io_workers, compute.io_overhead_s, fixed_transfer_s, compute.cpu_per_demand_s,
-                compute.cpu_per_prefetch_s)
+                compute.cpu_per_prefetch_s, compute.wake_s)
     replay = replay_provider(policy, n_layers, n_experts, lookahead)
     loop = LayerLoop(cache, io, replay, pol.issues, n_layers, n_experts,
                      lambda layer: layer_budget(m_max, layer_m_max, layer),
