@@ -117,7 +117,7 @@ def test_figures_draw_each_variant_and_claims_name_theirs(tmp_path: Path) -> Non
         index="repeat", columns="policy", values="tokens_per_s")
     assert cells["bandwidth:slow_ufs/gain"].value == pytest.approx(((bw.specprefetch / bw.off - 1) * 100).mean())
     assert cells["bandwidth:slow_ufs/gain"].keys == {"storage": "slow_ufs", "policy": "SpecPrefetch",
-                                                     "variant": "bandwidth"}
+                                                     "variant": "bandwidth", "m_max": 2}  # the variant's budget
     assert "variant" not in cells["slow_ufs/gain"].keys and cells["slow_ufs/gain"].value > 15
     assert res.doc.meta["variants"] == {"bandwidth": {"emulation": "bandwidth",
                                                       "m_max_per_storage": {"nvme": 8, "nvme_cold": 8, "slow_ufs": 2}}}
