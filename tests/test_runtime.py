@@ -1073,15 +1073,21 @@ def test_direct_reads_land_in_shared_staging_buffers(setup: dict[str, Any]) -> N
         reader.close()
 
 
-def test_prefetches_wait_while_a_demand_load_is_outstanding(setup: dict[str, Any]) -> None:
-    """No prefetch starts while a demand load is queued or running (it yields to the executing layer)."""
+def _engine(setup: dict[str, Any], storage: str, workers: int, **device: Any) -> tuple[Any, Any, Any]:
+    """(reader, cache of 4 experts, TransferEngine without retries) over the fixture's store on ``storage``."""
     from specprefetch.runtime.core.cache import ExpertCache, SlotPool
     from specprefetch.runtime.core.transfer import TransferEngine
 
     store = setup["store"]
-    reader = ExpertReader(store, make_profile("ram", _device(), store.layout.payload_bytes))
+    reader = ExpertReader(store, make_profile(storage, _device(**device), store.layout.payload_bytes))
     cache = ExpertCache(4)
-    eng = TransferEngine(reader, cache, SlotPool(4, store.layout, "cpu"), n_workers=2, retries=0)
+    return reader, cache, TransferEngine(reader, cache, SlotPool(4, store.layout, "cpu"), n_workers=workers,
+                                         retries=0)
+
+
+def test_prefetches_wait_while_a_demand_load_is_outstanding(setup: dict[str, Any]) -> None:
+    """No prefetch starts while a demand load is queued or running (it yields to the executing layer)."""
+    reader, cache, eng = _engine(setup, "ram", 2)
     try:
         with cache.lock:
             cache.reserve((0, 0))
@@ -1105,15 +1111,8 @@ def test_a_waited_transfer_records_when_its_waiter_woke(setup: dict[str, Any]) -
     """TransferEngine.wait stamps ``t_woken`` on a load a worker finished while the caller blocked on it (the
     hand-off back to the compute thread: window.wakes_ms, the simulator's wake_s); a load nobody waited for, or one
     the caller performed itself, has none."""
-    from specprefetch.runtime.core.cache import ExpertCache, SlotPool
-    from specprefetch.runtime.core.transfer import TransferEngine
-
-    store = setup["store"]
     # an SD card's 1 ms per read (emulated): the worker is still reading when the caller waits
-    reader = ExpertReader(store, make_profile("sdcard", _device(cold_each_read=False, emulation="bandwidth"),
-                                              store.layout.payload_bytes))
-    cache = ExpertCache(4)
-    eng = TransferEngine(reader, cache, SlotPool(4, store.layout, "cpu"), n_workers=1, retries=0)
+    reader, cache, eng = _engine(setup, "sdcard", 1, cold_each_read=False, emulation="bandwidth")
     try:
         with cache.lock:
             cache.reserve((1, 0))
