@@ -1324,12 +1324,15 @@ def test_own_time_removes_the_pauses_before_each_timestamp() -> None:
     ev = LayerEvent(1, 0, 1, 12.0, [0], 1, 0, 0, 1)
     ev.t_compute, ev.t_ready, ev.t_done, ev.t_pred = 16.0, 16.0, 21.0, None
     tr = Transfer((0, 1), "prefetch", 1, 0, t_submit=5.0, t_start=23.0, t_end=0.0)
-    res = RunResult("off", "ram", 0, True, 4, summarize([], 1), [Generation("p", [1, 2], [5.0, 23.0])], [ev], [tr])
+    waited = Transfer((0, 2), "demand", 1, 1, t_submit=16.0, t_start=16.5, t_end=23.0, t_woken=23.5)
+    res = RunResult("off", "ram", 0, True, 4, summarize([], 1), [Generation("p", [1, 2], [5.0, 23.0])], [ev],
+                    [tr, waited])
     own_time(res, [(10.0, 15.0), (20.0, 22.0)])
     # before any pause: as is; inside one: its start; after: minus every pause before it; 0 (unset) stays 0
     assert res.generations[0].times == [5.0, 16.0]
     assert (ev.t_exec, ev.t_compute, ev.t_done, ev.t_pred) == (10.0, 11.0, 15.0, None)
-    assert (tr.t_submit, tr.t_start, tr.t_end) == (5.0, 16.0, 0.0)
+    assert (tr.t_submit, tr.t_start, tr.t_end, tr.t_woken) == (5.0, 16.0, 0.0, 0.0)
+    assert waited.t_woken - waited.t_end == 0.5  # the hand-off keeps its length on the run's own clock
 
 
 def _lockstep_harness(s: dict[str, Any], providers: dict[str, Any] | None = None) -> Any:
