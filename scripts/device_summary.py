@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from specprefetch.contracts import split_experiment
 from specprefetch.metrics import bootstrap_ci
 from specprefetch.render.data import paired_gains
 from specprefetch.render.style import POLICY_ORDER
@@ -151,7 +152,8 @@ def validation(path: Path | None) -> str:
         return ""
     v = pd.read_csv(path)
     if "experiment" in v:  # a variant's benchmark (rows "<experiment>@<variant>") is a model of its own here
-        v["model"] = [f"{m}@{e.partition('@')[2]}" if "@" in str(e) else m for m, e in zip(v["model"], v["experiment"])]
+        v["model"] = [f"{m}@{var}" if (var := split_experiment(str(e))[1]) else m
+                      for m, e in zip(v["model"], v["experiment"])]
     out = ["\n**Simulator vs measured** (mean |relative error|; max over configurations in brackets)\n",
            "| model | inputs | tok/s | stall | ReadyRecall | hits |", "|---|---|---:|---:|---:|---:|"]
     for (model, inputs), r in v.groupby(["model", "inputs"] if "inputs" in v else ["model"], sort=False):

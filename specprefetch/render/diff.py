@@ -260,9 +260,9 @@ def judge_peak(cid: str, a: Cell, b: Cell, old: Mapping[str, Cell], new: Mapping
     n/std, or neither has both (then the cell is compared exactly)."""
     assert a.value is not None and b.value is not None
     parts, tie, judged = [], True, 0
+    template = peak_of(cid)
+    assert template is not None
     for side, cells, where in (("OLD", old, names[0]), ("NEW", new, names[1])):
-        template = peak_of(cid)
-        assert template is not None
         x, y = cells.get(template[0].format(int(a.value))), cells.get(template[0].format(int(b.value)))
         if x is None or y is None or not (_finite(x.value) and _finite(y.value)):
             parts.append(f"{side} did not measure both M{int(a.value)} and M{int(b.value)}")
@@ -387,11 +387,16 @@ class Move:
     peak: str | None = None  # an argmax cell (PEAKS) judged by its points' CIs: the evidence
     budget: str | None = None  # measured at another budget (judge_budget): the evidence
 
+    @property
+    def rule_point(self) -> bool:
+        """A cell that appeared or vanished without failing because a rule chose its budget on one host (CHOSEN)."""
+        c = self.old or self.new
+        return self.kind in ("added", "removed") and not self.failed and c is not None and bool(c.keys.get(CHOSEN))
+
     def line(self) -> str:
         tag = "FAIL" if self.failed else "ok  "
         chosen = " (a configuration a rule chose on that host: measured only where it chose it)" \
-            if not self.failed and (self.old or self.new) is not None and (self.old or self.new).keys.get(CHOSEN) \
-            else ""
+            if self.rule_point else ""
         if self.kind == "added":
             return f"  {tag}  {self.cell_id}: added ({_show(self.new)}){chosen}"
         if self.kind == "removed":
@@ -483,9 +488,7 @@ class DiffReport:
             out += [f"  {tag}  {v}" for v in self.verdicts]
         n_bad = (sum(m.failed for m in self.moves) + len(self.missing_tables) + len(self.new_tables)
                  + (len(self.verdicts) if self.strict_verdicts else 0))
-        other = [m for m in self.moves if m.budget is not None or (m.kind in ("added", "removed") and not m.failed
-                                                                   and (m.old or m.new) is not None
-                                                                   and bool((m.old or m.new).keys.get(CHOSEN)))]
+        other = [m for m in self.moves if m.budget is not None or m.rule_point]
         out.append(f"RESULT: {'FAIL' if self.failed else 'OK'} ({n_bad} failure(s), "
                    f"{sum(not m.failed for m in self.moves)} move(s) within tolerance"
                    + (f", {len(other)} of them cells measured at another budget or only where a rule chose it: "

@@ -175,12 +175,7 @@ def _cmd_validate_simulator(args: argparse.Namespace) -> None:
     check_routing_record(record, args.routing, args.model)
     check_window_profile(profile, str(Path(args.window) / "profile.json"), required=WINDOW_SHAPE_KEYS)
     check_routing_values(record, str(args.routing), profile["n_layers"], profile["n_experts"], profile["top_k"])
-    val = validate_simulator(record, profile, settings)
-    if args.variant:  # runs.csv's naming: the variant's rows are "<experiment>@<variant>"
-        from specprefetch.contracts import split_experiment, variant_experiment
-
-        val = [{**r, "experiment": variant_experiment(split_experiment(str(r["experiment"]))[0], args.variant)}
-               for r in val]
+    val = validate_simulator(record, profile, settings, args.variant)
     summary = summarize_validation(val)
     for inputs, errs in summary.items():
         log.info("simulator vs measured (%s inputs), mean |relative error|: %s", inputs,

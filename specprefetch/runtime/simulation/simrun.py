@@ -24,7 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specprefetch.contracts import EMULATED, RUN_COLUMNS
+from specprefetch.contracts import EMULATED, RUN_COLUMNS, split_experiment, variant_experiment
 from specprefetch.io import SpecPrefetchError, atomic_path
 from specprefetch.registry import runtime_providers
 from specprefetch.runtime.core.budget import EwmaBudget, ewma_budgets, profiled_physical_ms
@@ -228,8 +228,8 @@ def _online(row: dict[str, Any], profile: dict[str, Any]) -> EwmaBudget | None:
     return online[row["storage"]]
 
 
-def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
-                       settings: dict[str, Any]) -> list[dict[str, Any]]:
+def validate_simulator(record: dict[str, Any], profile: dict[str, Any], settings: dict[str, Any],
+                       variant: str | None = None) -> list[dict[str, Any]]:
     """Simulate every recorded run and compare it with what the runtime measured (mean over the repeats), twice:
 
     - ``inputs = profile``: this machine's window profile (compute per layer, the cold disk's fitted bandwidth, the
@@ -238,6 +238,9 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
       per-expert service time (``timings``), the simulated metrics then averaged -- the host's drift between
       profiling and benchmarking and the CPU the transfers took from compute are in the inputs, so what is left is
       the simulator's model of overlap, queueing and the runtime's decisions.
+
+    ``variant``: the device.variants entry whose benchmark ``record`` is (its rows are named "<experiment>@<variant>",
+    as runs.csv names them); ``settings`` must be that variant's (``settings.variant_settings``).
     """
     n_layers = int(profile["n_layers"])
     rows = []
@@ -265,7 +268,11 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any],
                              "metric": metric, "measured": measured, "simulated": float(got[metric]),
                              "rel_error": relative_error(float(got[metric]), measured), "n_repeats": len(repeats)})
         rows += _service_rows(m, timings, storage, settings)
-    return rows + _speedup_rows(record["runs"], simulated)
+    rows += _speedup_rows(record["runs"], simulated)
+    if variant:  # a device.variants benchmark's rows are named as runs.csv names them: "<experiment>@<variant>"
+        rows = [{**r, "experiment": variant_experiment(split_experiment(str(r["experiment"]))[0], variant)}
+                for r in rows]
+    return rows
 
 
 def _service_rows(row: Mapping[str, Any], timings: Sequence[Mapping[str, Any]], device: StorageProfile,
