@@ -311,6 +311,37 @@ def test_the_disk_model_serves_one_expert_per_the_runtimes_service_time() -> Non
     assert (fitted.bandwidth_mbps, fitted.latency_ms, fitted.demand_first) == (2000.0, 0.5, True)
 
 
+def test_page_cache_loads_take_the_interference_fitted_on_page_cache_loads() -> None:
+    """Under the bandwidth emulation the profile fits the I/O's interference a second time, on the first emulated
+    storage benchmarked (its loads read the page cache, not the disk); the simulator charges a storage's loads the fit
+    of their kind, with its measured hand-offs. Under the delay emulation every storage reads the disk: one fit."""
+    from specprefetch.runtime.measurement.window import CACHED_INTERFERENCE, page_cache_storage
+    from specprefetch.runtime.simulation.simrun import profile_inputs
+
+    assert page_cache_storage(_settings(emulation="bandwidth", storages=["nvme_cold", "ufs", "nvme"])) == "ufs"
+    assert page_cache_storage(_settings(emulation="delay")) is None
+    assert page_cache_storage(_settings(emulation="bandwidth", storages=["nvme_cold"])) is None
+    comp = {"book_s": [1e-4] * 2, "pred_s": [2e-4] * 2, "post_pred_s": [1e-5] * 2, "moe_s": [1e-3] * 2,
+            "gap_s": [5e-4] * 2, "head_s": 1e-3}
+    disk = {"cpu_per_demand_ms": 0.3, "cpu_per_issue_ms": 0.6, "cpu_per_prefetch_ms": 0.5, "wake_ms": 0.2,
+            "start_ms": 0.4}
+    cached = {"cpu_per_demand_ms": 0.1, "cpu_per_issue_ms": 0.2, "cpu_per_prefetch_ms": 0.15, "wake_ms": 0.05,
+              "start_ms": 0.3, "storage": "nvme"}
+    prof = {"payload_bytes": 2_000_000, "transfer_ms_in_runtime": {"nvme_cold": 1.5}, "emulation_overshoot_ms": {},
+            "transfer_ms": {"nvme_cold": {"transfer_ms": 1.9}},
+            "compute_lockstep": {"opt": comp, "pred": comp}, "io_interference": disk, CACHED_INTERFERENCE: cached}
+
+    def charged(storage: str, emulation: str) -> tuple[float, ...]:
+        c = profile_inputs(prof, storage, _settings(emulation=emulation), True)[0]
+        return c.cpu_per_demand_s, c.cpu_per_issue_s, c.cpu_per_prefetch_s, c.wake_s, c.start_s
+
+    assert charged("nvme_cold", "bandwidth") == pytest.approx((3e-4, 6e-4, 5e-4, 2e-4, 4e-4))
+    assert charged("ufs", "bandwidth") == pytest.approx((1e-4, 2e-4, 1.5e-4, 5e-5, 3e-4))
+    assert charged("ufs", "delay") == charged("nvme_cold", "bandwidth")  # the disk plus a delay: the disk's fit
+    del prof[CACHED_INTERFERENCE]  # a profile from before the second fit: the disk's
+    assert charged("ufs", "bandwidth") == charged("nvme_cold", "bandwidth")
+
+
 # ------------------------------------------------------------------------------------------ beyond the paper: DP, EWMA
 def test_dp_allots_the_total_to_the_most_hits() -> None:
     """The DP rule's allotment is exact (brute force over every allotment, non-concave values too): the most value

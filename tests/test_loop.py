@@ -366,13 +366,36 @@ def test_the_compute_thread_runs_again_a_hand_off_after_a_load_it_waited_for() -
     assert io.now() == pytest.approx(6.2e-3 + 1e-3)
 
 
-def test_the_profile_pools_the_measured_hand_off_over_its_runs() -> None:
-    """window.pooled_wake_ms: the runs' mean hand-offs weighted by their waits; 0 with no wait."""
-    from specprefetch.runtime.measurement.window import pooled_wake_ms
+def test_the_profile_pools_the_measured_hand_offs_over_its_runs() -> None:
+    """window.pooled_hand_offs: each hand-off's mean over the runs weighted by its count; 0 with none."""
+    from specprefetch.runtime.measurement.window import pooled_hand_offs
 
-    assert pooled_wake_ms([{"waits": 10.0, "wake_ms": 0.5}, {"waits": 30.0, "wake_ms": 0.9}, {"waits": 0.0}]) == \
-        pytest.approx(0.8)
-    assert pooled_wake_ms([{"waits": 0.0, "wake_ms": 0.0}, {}]) == 0.0
+    got = pooled_hand_offs([{"waits": 10.0, "wake_ms": 0.5, "starts": 1.0, "start_ms": 2.0},
+                            {"waits": 30.0, "wake_ms": 0.9, "starts": 3.0, "start_ms": 0.4}, {"waits": 0.0}])
+    assert got == pytest.approx({"wake_ms": 0.8, "start_ms": 0.8})
+    assert pooled_hand_offs([{"waits": 0.0, "wake_ms": 0.0}, {}]) == {"wake_ms": 0.0, "start_ms": 0.0}
+
+
+def test_a_worker_woken_for_a_load_starts_it_a_hand_off_later() -> None:
+    """``start_s`` (the runtime's measured t_start - t_offered of a sleeping worker) delays a load a sleeping worker
+    takes, not one a busy worker takes next: with one worker, the first of two prefetches ends at start_s + 1 ms, the
+    second right after it."""
+    from specprefetch.runtime.simulation.simulator import _SimIO
+
+    cache = ExpertCache(8)
+    io = _SimIO(cache, StorageProfile("ram", "ram"), 1, 0.0, 1e-3, start_s=0.3e-3)
+    cache.reserve((1, 0))
+    first = io.submit((1, 0), "prefetch", 1)
+    cache.reserve((1, 1))
+    second = io.submit((1, 1), "prefetch", 1)
+    io.wait(second)
+    assert (first.t_start, first.t_end) == pytest.approx((0.3e-3, 1.3e-3))
+    assert (second.t_start, second.t_end) == pytest.approx((1.3e-3, 2.3e-3))
+    cache.reserve((1, 2))
+    own = io.submit((1, 2), "demand", 1)
+    assert io.steal((1, 2)) is own
+    io.execute(own)  # the compute thread's own load: no worker to wake
+    assert own.t_end - own.t_start == pytest.approx(1e-3)
 
 
 def test_the_profiles_fit_of_the_compute_the_io_takes() -> None:

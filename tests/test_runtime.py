@@ -28,6 +28,7 @@ from specprefetch.runtime.core.priority import (
 from specprefetch.runtime.core.storage import ExpertReader, FaultInjector, make_profile
 from specprefetch.runtime.core.store import ExpertStore, StoreError, build_expert_store
 from specprefetch.runtime.core.timeline import LayerEvent, ready_recall_of, routing_rows, summarize
+from specprefetch.runtime.measurement.window import CACHED_INTERFERENCE, HAND_OFFS
 
 VOCAB = 96
 
@@ -421,7 +422,7 @@ def test_run_timing_service_time_is_the_union_of_transfer_intervals() -> None:
     from specprefetch.runtime.measurement.bench import run_timing
 
     def tr(step: int, a: float, b: float, charged: bool = True) -> Any:
-        return SimpleNamespace(state="done", charged=charged, step=step, t_start=a, t_end=b)
+        return SimpleNamespace(state="done", charged=charged, step=step, t_start=a, t_end=b, inline=False)
 
     events = [LayerEvent(step=0, layer=0, n_tokens=5, t_exec=0.0, required=[0], hits=0, inflight=0, misses=1,
                          ready_pairs=0),
@@ -579,8 +580,12 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         assert set(io["runs"]) == {"resident", "off", "predicting", "prefetching_m1", f"prefetching_m{spec.top_k}"}
         assert io["runs"]["resident"]["demand"] == 0 < io["runs"]["off"]["demand"]
         assert io["runs"]["prefetching_m1"]["prefetches"] < io["runs"][f"prefetching_m{spec.top_k}"]["prefetches"]
-        # the hand-off back to the compute thread after a load a worker served while it waited, pooled over the runs
-        assert io["wake_ms"] >= 0 and all(r["waits"] >= 0 and r["wake_ms"] >= 0 for r in io["runs"].values())
+        # the thread hand-offs of the loads a worker served (back to the compute thread that waited, to a worker that
+        # slept), pooled over the runs: prefetching runs wake their workers
+        assert all(io[ms] >= 0 and all(r[n] >= 0 and r[ms] >= 0 for r in io["runs"].values())
+                   for ms, n in HAND_OFFS.items())
+        assert io["runs"][f"prefetching_m{spec.top_k}"]["starts"] > 0 and io["start_ms"] > 0
+        assert CACHED_INTERFERENCE not in prof  # the delay emulation: every storage's loads read the disk
         rows = bench_runtime(h, prof, "tiny", "test-cpu", tmp_path / "runs.csv", routing_out=tmp_path / "r.safetensors")
     finally:
         h.close()
@@ -698,7 +703,8 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         (tm,) = run["timings"]
         assert len(tm["compute"]["moe_s"]) == spec.n_layers and all(t > 0 for t in tm["compute"]["moe_s"])
         resident = run["row"]["policy"] == "resident"
-        assert (tm["n_transfers"] == 0) == resident and (resident or tm["transfer_ms"] > 0) and tm["wake_ms"] >= 0
+        assert (tm["n_transfers"] == 0) == resident and (resident or tm["transfer_ms"] > 0)
+    assert tm["wake_ms"] >= 0 and tm["start_ms"] >= 0
     # replayed with its own inputs, OFF's counters are the runtime's (the same routing through the same cache)
     off = {v["metric"]: v for v in val if v["inputs"] == "run" and v["policy"] == "off"
            and v["experiment"] == "main"}
@@ -1136,6 +1142,39 @@ def test_a_waited_transfer_records_when_its_waiter_woke(setup: dict[str, Any]) -
         reader.close()
 
 
+def test_a_worker_that_slept_records_its_wake_up(setup: dict[str, Any]) -> None:
+    """A load offered to sleeping workers (a prefetch's submission; under demand-first, the end of the demand load that
+    held it back) records when: ``t_start - t_offered`` is the wake-up of the worker that took it (window.hand_offs'
+    ``start_ms``, the simulator's start_s). A load a busy worker took next, or the caller's own, is no such hand-off."""
+    reader, cache, eng = _engine(setup, "sdcard", 1, cold_each_read=False, emulation="bandwidth")
+    try:
+        import time
+
+        time.sleep(0.02)  # the worker is asleep
+        with cache.lock:
+            cache.reserve((1, 0))
+            first = eng.submit((1, 0), "prefetch", 0)
+            cache.reserve((1, 1))
+            second = eng.submit((1, 1), "prefetch", 0)  # queued behind: the busy worker takes it next
+        eng.wait(second)
+        assert first.woke and first.t_start >= first.t_offered == first.t_submit > 0
+        assert not second.woke and second.t_offered == second.t_submit
+        with cache.lock:
+            cache.reserve((0, 0))
+            demand = eng.submit((0, 0), "demand", 0)
+            cache.reserve((1, 2))
+            held = eng.submit((1, 2), "prefetch", 0)  # held back while the demand load is outstanding
+        offered = held.t_offered
+        assert eng.steal((0, 0)) is demand
+        eng.execute(demand)
+        eng.wait(held)
+        assert not demand.woke and held.t_offered == demand.t_end > offered  # offered again when it ended
+        assert held.woke and held.t_start >= held.t_offered
+    finally:
+        eng.shutdown()
+        reader.close()
+
+
 def test_per_model_experiments() -> None:
     """device.model_experiments narrows one model's benchmark experiments; a bad entry names its key."""
     from specprefetch.config import REPO_ROOT, load_config
@@ -1324,7 +1363,8 @@ def test_own_time_removes_the_pauses_before_each_timestamp() -> None:
     ev = LayerEvent(1, 0, 1, 12.0, [0], 1, 0, 0, 1)
     ev.t_compute, ev.t_ready, ev.t_done, ev.t_pred = 16.0, 16.0, 21.0, None
     tr = Transfer((0, 1), "prefetch", 1, 0, t_submit=5.0, t_start=23.0, t_end=0.0)
-    waited = Transfer((0, 2), "demand", 1, 1, t_submit=16.0, t_start=16.5, t_end=23.0, t_woken=23.5)
+    waited = Transfer((0, 2), "demand", 1, 1, t_submit=16.0, t_start=16.5, t_end=23.0, t_woken=23.5,
+                      t_offered=16.2)
     res = RunResult("off", "ram", 0, True, 4, summarize([], 1), [Generation("p", [1, 2], [5.0, 23.0])], [ev],
                     [tr, waited])
     own_time(res, [(10.0, 15.0), (20.0, 22.0)])
@@ -1332,7 +1372,8 @@ def test_own_time_removes_the_pauses_before_each_timestamp() -> None:
     assert res.generations[0].times == [5.0, 16.0]
     assert (ev.t_exec, ev.t_compute, ev.t_done, ev.t_pred) == (10.0, 11.0, 15.0, None)
     assert (tr.t_submit, tr.t_start, tr.t_end, tr.t_woken) == (5.0, 16.0, 0.0, 0.0)
-    assert waited.t_woken - waited.t_end == 0.5  # the hand-off keeps its length on the run's own clock
+    assert waited.t_woken - waited.t_end == 0.5  # the hand-offs keep their length on the run's own clock
+    assert waited.t_start - waited.t_offered == pytest.approx(0.3)
 
 
 def _lockstep_harness(s: dict[str, Any], providers: dict[str, Any] | None = None) -> Any:

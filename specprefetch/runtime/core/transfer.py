@@ -83,6 +83,9 @@ class Transfer:
     unneeded: bool = False    # a prefetch its target layer did not need: evict it first once it arrives
     charged: bool = True      # emulated storage delay applies (False: issued during prefill, which is not timed)
     t_woken: float = 0.0      # the compute thread woke after waiting for it to finish (0: nobody blocked on it)
+    t_offered: float = 0.0    # an idle worker was first told it could take it (the notify; 0: never offered)
+    woke: bool = False        # the worker that started it was asleep when it was offered: t_start - t_offered is
+                              # that worker's wake-up (a thread hand-off the disk's service time does not hold)
 
     @property
     def finished(self) -> bool:
@@ -136,6 +139,7 @@ class TransferEngine:
             self.active[key] = tr
             self.log.append(tr)
             if kind != "demand":
+                self._offer(tr.t_submit, again=False)
                 self.work.notify()
             return tr
 
@@ -245,8 +249,16 @@ class TransferEngine:
         else:
             self.cache.cancel(tr.key)
         self.cond.notify_all()
-        if tr.cls == DEMAND:
-            self.work.notify_all()  # prefetches held back by this demand load may start
+        if tr.cls == DEMAND:  # prefetches held back by this demand load may start
+            self._offer(tr.t_end, again=not self.fifo)
+            self.work.notify_all()
+
+    def _offer(self, now: float, again: bool) -> None:
+        """Under the lock, before a notify of the workers: the queued transfers are offered to them from ``now``
+        (``again``: also those offered before, held back since by a demand load)."""
+        for t in self.pending:
+            if again or not t.t_offered:
+                t.t_offered = now
 
     def demand_outstanding(self) -> bool:
         """Under the lock: a demand load (or a promoted prefetch) is queued or running."""
@@ -254,10 +266,12 @@ class TransferEngine:
 
     def _next(self) -> Transfer | None:
         with self.cond:
+            slept = 0.0  # when this worker fell asleep waiting for work (0: it found work at once)
             while not self._stop:
                 ready = worker_ready(self.pending, self.fifo, self.demand_outstanding())
                 if ready:
                     break
+                slept = slept or time.perf_counter()
                 self.work.wait()
             if self._stop:
                 return None
@@ -266,6 +280,7 @@ class TransferEngine:
             tr.state = "running"
             if not tr.t_start:
                 tr.t_start = time.perf_counter()
+                tr.woke = bool(slept) and tr.t_offered >= slept
             return tr
 
     def _work(self, index: int) -> None:
@@ -284,6 +299,7 @@ class TransferEngine:
                     log.debug("retrying expert %s after I/O error: %s", tr.key, error)
                     tr.state = "pending"
                     self.pending.append(tr)
+                    tr.t_offered = time.perf_counter()
                     self.work.notify()
 
     def _settle(self, tr: Transfer, error: str | None) -> bool:

@@ -475,17 +475,17 @@ def run_timing(res: RunResult, n_layers: int) -> dict[str, Any]:
     per-layer compute durations (:func:`~specprefetch.runtime.measurement.window.compute_profile` of its events, stalls
     excluded), the mean duration of its transfers during decoding (read start to slot filled) and its per-expert
     service time (the time some transfer was running, divided by their number: what one expert costs the device when
-    transfers overlap); NaN with no transfer; and the mean hand-off back to the compute thread of a load a worker
-    served while it waited (``wake_ms``, :func:`~specprefetch.runtime.measurement.window.wakes_ms`; 0 with none)."""
-    from specprefetch.runtime.measurement.window import busy_s, compute_profile, decoding_transfers, wakes_ms
+    transfers overlap); NaN with no transfer; and the mean thread hand-offs of the loads a worker served
+    (``wake_ms``, back to the compute thread that waited; ``start_ms``, to a worker that slept:
+    :func:`~specprefetch.runtime.measurement.window.hand_offs`; 0 with none)."""
+    from specprefetch.runtime.measurement.window import busy_s, compute_profile, decoding_transfers, hand_offs
 
     transfers = decoding_transfers(res)
     n = len(transfers)
-    woken = wakes_ms(res)
     return {"compute": compute_profile(res.events, n_layers), "n_transfers": n,
             "transfer_ms": sum(tr.t_end - tr.t_start for tr in transfers) / n * 1e3 if n else float("nan"),
             "service_ms": busy_s(transfers) / n * 1e3 if n else float("nan"),
-            "wake_ms": statistics.fmean(woken) if woken else 0.0}
+            **{ms: statistics.fmean(got) if got else 0.0 for ms, got in hand_offs(res).items()}}
 
 
 def widest_gain_ci(configs: Iterable[RunConfig], tps: dict[Signature, list[float]]) -> tuple[float, str]:

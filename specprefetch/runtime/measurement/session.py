@@ -422,8 +422,9 @@ def own_time(res: RunResult, pauses: list[tuple[float, float]]) -> RunResult:
             ev.t_pred = f(ev.t_pred)
     for tr in res.transfers:
         tr.t_submit, tr.t_start, tr.t_end = f(tr.t_submit), f(tr.t_start), f(tr.t_end)
-        if getattr(tr, "t_woken", 0.0):
-            tr.t_woken = f(tr.t_woken)
+        for name in ("t_woken", "t_offered"):  # set on the engine's transfers only
+            if getattr(tr, name, 0.0):
+                setattr(tr, name, f(getattr(tr, name)))
     return res
 
 

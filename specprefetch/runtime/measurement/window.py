@@ -318,30 +318,42 @@ def step_load(res: RunResult, comp: Mapping[str, Any]) -> dict[str, float]:
     """What a run's decoding steps cost its compute thread and what they asked of the I/O, per decoding step: the
     compute (``compute_ms``: bookkeeping and prediction, the experts without their stalls, the gaps between layers
     and the head, from the run's :func:`compute_profile` ``comp``), demand loads, prefetches the I/O workers served
-    (a queued prefetch cancelled before it started costs the compute nothing), and layers that issued at least one
-    prefetch."""
+    (a queued prefetch cancelled before it started costs the compute nothing), layers that issued at least one
+    prefetch, and the thread hand-offs (:func:`hand_offs`: how many per step and their mean, in ms)."""
     dec = [ev for ev in res.events if ev.decode]
     steps = max(1, sum(1 for ev in dec if ev.layer == 0))
-    woken = wakes_ms(res)
-    return {"compute_ms": _total_s(comp) * 1e3,
-            "demand": sum(ev.misses for ev in dec) / steps,
-            "prefetches": sum(1 for tr in decoding_transfers(res) if not tr.inline) / steps,
-            "issues": sum(1 for ev in dec if ev.issued) / steps,
-            "waits": len(woken) / steps, "wake_ms": statistics.fmean(woken) if woken else 0.0}
+    out = {"compute_ms": _total_s(comp) * 1e3,
+           "demand": sum(ev.misses for ev in dec) / steps,
+           "prefetches": sum(1 for tr in decoding_transfers(res) if not tr.inline) / steps,
+           "issues": sum(1 for ev in dec if ev.issued) / steps}
+    for ms, count in HAND_OFFS.items():
+        got = hand_offs(res)[ms]
+        out |= {count: len(got) / steps, ms: statistics.fmean(got) if got else 0.0}
+    return out
 
 
-def wakes_ms(res: RunResult) -> list[float]:
-    """Per decoding transfer a worker served while the compute thread blocked on it: the hand-off back to the compute
-    thread, ``t_woken - t_end`` in ms (``TransferEngine.wait``)."""
-    return [(tr.t_woken - tr.t_end) * 1e3 for tr in decoding_transfers(res)
-            if getattr(tr, "t_woken", 0.0) > 0 and not tr.inline]
+HAND_OFFS = {"wake_ms": "waits", "start_ms": "starts"}  # a hand-off's mean (ms) -> its count's key in step_load
 
 
-def pooled_wake_ms(loads: Sequence[Mapping[str, float]]) -> float:
-    """The mean hand-off over several runs' waits (:func:`step_load`'s ``wake_ms`` weighted by ``waits``); 0 without
-    a wait."""
-    n = sum(r.get("waits", 0.0) for r in loads)
-    return sum(r.get("waits", 0.0) * r.get("wake_ms", 0.0) for r in loads) / n if n > 0 else 0.0
+def hand_offs(res: RunResult) -> dict[str, list[float]]:
+    """The thread hand-offs of a run's decoding transfers that a worker served, in ms: ``wake_ms``, back to the compute
+    thread that blocked on the load (``t_woken - t_end``, :meth:`TransferEngine.wait`), and ``start_ms``, to a worker
+    asleep when the load was offered to the workers (``t_start - t_offered``: its wake-up, before the disk sees the
+    read). Neither is in the storage's service time (:func:`service_transfer_ms` counts from the read's start)."""
+    served = [tr for tr in decoding_transfers(res) if not tr.inline]
+    return {"wake_ms": [(tr.t_woken - tr.t_end) * 1e3 for tr in served if getattr(tr, "t_woken", 0.0) > 0],
+            "start_ms": [(tr.t_start - tr.t_offered) * 1e3 for tr in served
+                         if getattr(tr, "woke", False) and tr.t_offered > 0]}
+
+
+def pooled_hand_offs(loads: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Each hand-off's mean over several runs (:func:`step_load`'s means weighted by their counts); 0 where none
+    happened."""
+    out = {}
+    for ms, count in HAND_OFFS.items():
+        n = sum(r.get(count, 0.0) for r in loads)
+        out[ms] = sum(r.get(count, 0.0) * r.get(ms, 0.0) for r in loads) / n if n > 0 else 0.0
+    return out
 
 
 def fit_interference(resident: Mapping[str, float], off: Mapping[str, float], predicting: Mapping[str, float],
@@ -373,14 +385,28 @@ def fit_interference(resident: Mapping[str, float], off: Mapping[str, float], pr
     return {"cpu_per_demand_ms": demand, "cpu_per_issue_ms": issue, "cpu_per_prefetch_ms": per}
 
 
-def lockstep_compute(harness: Harness, policy: str, prompts: list[Any]) -> dict[str, Any]:
+CACHED_INTERFERENCE = "io_interference_cached"  # the profile's fit on a storage whose loads read the page cache
+
+
+def page_cache_storage(settings: Mapping[str, Any]) -> str | None:
+    """The storage the profile fits the I/O's interference on for loads that read the page cache, not the disk: under
+    the ``bandwidth`` emulation, the first emulated storage the benchmark runs (its loads are page-cache reads paced
+    by the device model); None when every benchmarked storage reads the disk (the ``delay`` emulation) or none is
+    emulated."""
+    if settings.get("emulation") != "bandwidth":
+        return None
+    return next((st for st in settings.get("storages", []) if st in EMULATED), None)
+
+
+def lockstep_compute(harness: Harness, policy: str, prompts: list[Any], storage: str | None = None) -> dict[str, Any]:
     """The compute as the benchmark's lockstep blocks see it (runs taking turns token by token, each finding the
-    CPU's caches holding another's state), from one lockstep block of five runs on the reference storage: OFF,
-    all-resident, ``policy`` predicting with every expert resident (nothing to issue), and ``policy`` prefetching at
-    M = 1 and at M = K. Gives the simulator's all-resident and predicting compute (``opt``, ``pred``; ``loop``, the
-    compute without compute_opt, is the single run's scaled by the block's all-resident over the single one's, as
-    the block has no such run) and :func:`fit_interference` with the loads it was fitted to (``io_interference``)."""
-    ref = harness.settings["reference_storage"]
+    CPU's caches holding another's state), from one lockstep block of five runs on ``storage`` (default: the
+    reference storage): OFF, all-resident, ``policy`` predicting with every expert resident (nothing to issue), and
+    ``policy`` prefetching at M = 1 and at M = K. Gives the simulator's all-resident and predicting compute (``opt``,
+    ``pred``; ``loop``, the compute without compute_opt, is the single run's scaled by the block's all-resident over
+    the single one's, as the block has no such run) and :func:`fit_interference` with the loads it was fitted to and
+    the pooled thread hand-offs (``io_interference``)."""
+    ref = storage or harness.settings["reference_storage"]
     k = int(harness.spec.top_k)
     runs = {"off": {"policy": "off", "storage": ref}, "resident": {"policy": "resident", "storage": "ram"},
             "predicting": {"policy": policy, "storage": "ram", "m_max": k, "preload": True},
@@ -392,9 +418,9 @@ def lockstep_compute(harness: Harness, policy: str, prompts: list[Any]) -> dict[
     loads = {name: step_load(r, comps[name]) for name, r in res.items()}
     fit = fit_interference(loads["resident"], loads["off"], loads["predicting"],
                            [loads["prefetching_m1"], loads[f"prefetching_m{k}"]])
-    wake = pooled_wake_ms([loads["off"], loads["prefetching_m1"], loads[f"prefetching_m{k}"]])
+    handed = pooled_hand_offs([loads["off"], loads["prefetching_m1"], loads[f"prefetching_m{k}"]])
     return {"opt": comps["resident"], "pred": comps["predicting"],
-            "io_interference": {**fit, "wake_ms": wake, "runs": loads}}
+            "io_interference": {**fit, **handed, "runs": loads}}
 
 
 def decoding_transfers(res: RunResult) -> list[Any]:
@@ -497,6 +523,10 @@ def profile_window(harness: Harness, model_name: str, platform: str, out_dir: st
                                             for k, val in single["loop"].items()},
                                    "loop_scale": scale}
     profile["io_interference"] = block["io_interference"]
+    cached = page_cache_storage(settings)
+    if cached is not None:  # loads from the page cache take the compute other CPU than the disk's direct reads
+        fit = lockstep_compute(harness, prefetching_policy(harness), prompts, cached)["io_interference"]
+        profile[CACHED_INTERFERENCE] = {**fit, "storage": cached}
     curve_rows = None
     if budget_model is not None:
         keys, curve_rows = budget_model(profile, routing_rows(win.candidates.events))

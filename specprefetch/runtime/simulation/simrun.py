@@ -39,6 +39,7 @@ from specprefetch.runtime.measurement.bench import (
     run_lookahead,
     write_runs_csv,
 )
+from specprefetch.runtime.measurement.window import CACHED_INTERFERENCE, HAND_OFFS
 from specprefetch.runtime.simulation.platforms import (
     calibrate_bandwidth,
     compute_profile_of,
@@ -107,30 +108,38 @@ def profile_inputs(profile: dict[str, Any], storage: str, settings: dict[str, An
                    compute_opt: bool = True) -> tuple[ComputeProfile, StorageProfile, float | None]:
     """What the window profile alone says of a run on ``storage``: (compute model, device model, fixed transfer s).
     The compute is the profile's all-resident per-layer durations plus, per transfer, the worker hand-off
-    (:func:`local_storage`) and the compute the I/O takes from the model: where the profile fitted it
+    (:func:`local_storage`) and the compute the I/O takes from the model. Where the profile fitted it
     (``io_interference``, ``window.fit_interference``: per demand load, per layer that issues prefetches and per
-    prefetch, measured as the slowdown of the model's compute in its OFF and prefetching runs) that fit, else the
-    host CPU an isolated load takes (``transfer_cpu_ms``: the cold disk's, or a page-cache read's for the emulated
-    and RAM storages) per prefetch; and, where the profile measured it (``io_interference.wake_ms``), the hand-off
-    back to the compute thread after a worker finished a load it waited for (under FIFO I/O, every demand load
-    queued behind prefetches)."""
+    prefetch, measured as the slowdown of the model's compute in its OFF and prefetching runs), that fit: for a
+    storage whose loads read the page cache, not the disk, the one on such a storage where the profile has it
+    (``io_interference_cached``, ``window.page_cache_storage``). Else the host CPU an isolated load takes
+    (``transfer_cpu_ms``: the cold disk's, or a page-cache read's for the emulated and RAM storages) per prefetch.
+    And, where the fit measured them (``wake_ms``, ``start_ms``), the thread hand-offs of a load a worker serves: to
+    the worker, asleep when the load was offered, and back to the compute thread after a load it waited for (under
+    FIFO I/O, every demand load queued behind prefetches takes both)."""
     device, fixed, overhead = local_storage(profile, storage, settings)
     fit = profile.get("io_interference")
+    if not reads_disk(storage, settings) and isinstance(profile.get(CACHED_INTERFERENCE), Mapping):
+        fit = profile[CACHED_INTERFERENCE]  # page-cache loads: the fit on such a storage (window.page_cache_storage)
     if isinstance(fit, Mapping):
         return ComputeProfile.from_profile(profile, compute_opt, overhead,
                                            float(fit["cpu_per_prefetch_ms"]) * 1e-3,
                                            float(fit["cpu_per_issue_ms"]) * 1e-3,
                                            float(fit["cpu_per_demand_ms"]) * 1e-3,
-                                           _wake_s(fit)), device, fixed
+                                           **_hand_offs_s(fit)), device, fixed
     cpu_ms = profile.get("transfer_cpu_ms", {}).get("nvme_cold" if storage == "nvme_cold" else "ram", 0.0)
     return ComputeProfile.from_profile(profile, compute_opt, overhead, float(cpu_ms) * 1e-3), device, fixed
 
 
-def _wake_s(d: Mapping[str, Any]) -> float:
-    """A profile's or a run's measured hand-off back to the compute thread (``wake_ms``), in s; 0 where it was not
-    measured (a profile or record from before it was) or is not finite."""
-    v = float(d.get("wake_ms", 0.0) or 0.0)
-    return v * 1e-3 if math.isfinite(v) and v > 0 else 0.0
+def _hand_offs_s(d: Mapping[str, Any]) -> dict[str, float]:
+    """A profile's or a run's measured thread hand-offs (``wake_ms``, ``start_ms``: ``window.hand_offs``) as
+    :class:`ComputeProfile`'s ``wake_s`` and ``start_s``; 0 where one was not measured (a profile or record from
+    before it was) or is not finite."""
+    out = {}
+    for ms in HAND_OFFS:
+        v = float(d.get(ms, 0.0) or 0.0)
+        out[ms.replace("_ms", "_s")] = v * 1e-3 if math.isfinite(v) and v > 0 else 0.0
+    return out
 
 
 def check_routing_record(record: Any, path: str | Path, model: str) -> None:
@@ -256,7 +265,7 @@ def validate_simulator(record: dict[str, Any], profile: dict[str, Any], settings
         timings = run.get("timings") or []
         if timings:  # the run's own compute includes what its transfers took from it: no separate CPU charge
             per = [_simulate_run(run, seqs, profile, ComputeProfile.of(t["compute"], io_overhead_s=overhead,
-                                                                        wake_s=_wake_s(t)),
+                                                                        **_hand_offs_s(t)),
                                  _run_storage(profile, t, m["storage"], storage, settings), fixed) for t in timings]
             sims["run"] = {k: statistics.fmean(p[k] for p in per) for k in METRICS}
         repeats = run.get("repeats") or [m]

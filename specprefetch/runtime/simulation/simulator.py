@@ -81,14 +81,15 @@ class ComputeProfile:
     cpu_per_issue_s: float = 0.0  # ... a layer that issues prefetches (its workers woken beside the compute)
     cpu_per_demand_s: float = 0.0  # ... a load the compute thread performs itself (a demand load)
     wake_s: float = 0.0  # the hand-off back to the compute thread after a worker finished a load it waited for
+    start_s: float = 0.0  # the hand-off to a sleeping worker: its wake-up before it starts a load offered to it
 
     @classmethod
     def from_profile(cls, prof: dict[str, Any], compute_opt: bool, io_overhead_s: float = 0.0,
                      cpu_per_prefetch_s: float = 0.0, cpu_per_issue_s: float = 0.0,
-                     cpu_per_demand_s: float = 0.0, wake_s: float = 0.0) -> ComputeProfile:
+                     cpu_per_demand_s: float = 0.0, wake_s: float = 0.0, start_s: float = 0.0) -> ComputeProfile:
         comp = prof.get("compute_lockstep") or prof["compute"]  # as the benchmark's lockstep blocks compute
         return cls.of(comp["opt" if compute_opt else "loop"], comp["pred"], io_overhead_s, cpu_per_prefetch_s,
-                      cpu_per_issue_s, cpu_per_demand_s, wake_s)
+                      cpu_per_issue_s, cpu_per_demand_s, wake_s, start_s)
 
     def issue_cpu_s(self, issued: Sequence[int]) -> float:
         """The host CPU a prediction step's issue of ``issued`` takes from the compute thread (the prefetches' own
@@ -98,12 +99,12 @@ class ComputeProfile:
     @classmethod
     def of(cls, base: dict[str, Any], pred: dict[str, Any] | None = None, io_overhead_s: float = 0.0,
            cpu_per_prefetch_s: float = 0.0, cpu_per_issue_s: float = 0.0,
-           cpu_per_demand_s: float = 0.0, wake_s: float = 0.0) -> ComputeProfile:
+           cpu_per_demand_s: float = 0.0, wake_s: float = 0.0, start_s: float = 0.0) -> ComputeProfile:
         """From a ``window.compute_profile`` dict (``pred``: the one whose prediction durations to take)."""
         pred = pred or base
         return cls(list(base["book_s"]), list(pred["pred_s"]), list(pred["post_pred_s"]), list(base["moe_s"]),
                    list(base["gap_s"]), float(base["head_s"]), io_overhead_s, cpu_per_prefetch_s, cpu_per_issue_s,
-                   cpu_per_demand_s, wake_s)
+                   cpu_per_demand_s, wake_s, start_s)
 
     def check(self, n_layers: int) -> None:
         for name in ("book_s", "pred_s", "post_pred_s", "moe_s", "gap_s"):
@@ -136,16 +137,20 @@ class _SimIO:
     :class:`~specprefetch.runtime.core.iobackend.IOBackend` (mirrors runtime.core.transfer.TransferEngine).
 
     ``clock`` is the compute thread's time: it moves when compute is charged (``account``), when the compute
-    thread waits for a transfer, and when it performs one itself. Workers serve prefetches only, sleep when none is
-    queued, and are woken one per prefetch submission; demand loads (and promoted prefetches not yet started) are
-    performed by the compute thread itself (``steal`` + ``execute``) when the layer needs them, as the runtime does.
+    thread waits for a transfer, and when it performs one itself. Workers serve prefetches (under FIFO also a demand
+    load queued behind them), sleep when none is queued, and are woken one per prefetch submission; demand loads at
+    the head of the queue (and promoted prefetches not yet started) are performed by the compute thread itself
+    (``steal`` + ``execute``) when the layer needs them, as the runtime does. The two thread hand-offs the runtime
+    measures take time here too: a worker woken for a load starts it ``start_s`` later, and the compute thread runs
+    ``wake_s`` after a load a worker finished while it waited.
     """
 
     def __init__(self, cache: ExpertCache, storage: StorageProfile, n_workers: int, overhead_s: float,
                  fixed_s: float | None, load_cpu_s: float = 0.0, worker_cpu_s: float = 0.0,
-                 wake_s: float = 0.0) -> None:
+                 wake_s: float = 0.0, start_s: float = 0.0) -> None:
         self.cache = cache
         self.wake_s = wake_s  # a load a worker finished while the compute thread waited: its hand-off back
+        self.start_s = start_s  # a load offered to a sleeping worker: that worker's wake-up before the read starts
         self.load_cpu_s = load_cpu_s  # the compute a load it performs itself costs the compute thread after it
         self.worker_cpu_s = worker_cpu_s  # ... and a load a worker serves, from when it starts
         self.owed_s = 0.0  # the workers' loads' CPU not yet charged to the compute thread
@@ -190,15 +195,18 @@ class _SimIO:
             return
         while self.sleeping and worker_ready([p for p in self.pending if p.t_submit <= t], self.fifo,
                                              self._demand_outstanding()):
-            self._start(self.sleeping.pop(0), t)
+            self._start(self.sleeping.pop(0), t, woken=True)
 
-    def _start(self, worker: int, t: float) -> None:
+    def _start(self, worker: int, t: float, woken: bool = False) -> None:
+        """``worker`` takes the best ready transfer at ``t`` (``woken``: it was asleep, and starts ``start_s`` later),
+        or sleeps."""
         ready = worker_ready([p for p in self.pending if p.t_submit <= t], self.fifo, self._demand_outstanding())
         if not ready:
             self.sleeping.append(worker)
             return
         tr = min(ready, key=lambda p: p.seq)
         self.pending.remove(tr)
+        t += self.start_s if woken else 0.0
         tr.state, tr.t_start = "running", t
         tr.t_end = self._end_of(t, tr.charged, demand=tr.cls == DEMAND)
         if tr.charged:
@@ -213,7 +221,7 @@ class _SimIO:
         self.active[key] = tr
         self.log.append(tr)
         if kind != "demand" and self.sleeping:
-            self._start(self.sleeping.pop(0), t)
+            self._start(self.sleeping.pop(0), t, woken=True)
         return tr
 
     def _finish_next(self) -> float:
@@ -441,7 +449,7 @@ def simulate(sequences: Sequence[SimSequence], policy: str, m_max: int, capacity
     if preload:
         cache.preload((l, e) for l in range(n_layers) for e in range(n_experts))
     io = _SimIO(cache, storage, io_workers, compute.io_overhead_s, fixed_transfer_s, compute.cpu_per_demand_s,
-                compute.cpu_per_prefetch_s, compute.wake_s)
+                compute.cpu_per_prefetch_s, compute.wake_s, compute.start_s)
     replay = replay_provider(policy, n_layers, n_experts, lookahead)
     loop = LayerLoop(cache, io, replay, pol.issues, n_layers, n_experts,
                      lambda layer: layer_budget(m_max, layer_m_max, layer),
