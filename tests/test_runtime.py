@@ -1115,7 +1115,7 @@ def test_prefetches_wait_while_a_demand_load_is_outstanding(setup: dict[str, Any
 
 def test_a_waited_transfer_records_when_its_waiter_woke(setup: dict[str, Any]) -> None:
     """TransferEngine.wait stamps ``t_woken`` on a load a worker finished while the caller blocked on it (the
-    hand-off back to the compute thread: window.wakes_ms, the simulator's wake_s); a load nobody waited for, or one
+    hand-off back to the compute thread: window.hand_offs, the simulator's wake_s); a load nobody waited for, or one
     the caller performed itself, has none."""
     # an SD card's 1 ms per read (emulated): the worker is still reading when the caller waits
     reader, cache, eng = _engine(setup, "sdcard", 1, cold_each_read=False, emulation="bandwidth")
