@@ -326,9 +326,8 @@ def step_load(res: RunResult, comp: Mapping[str, Any]) -> dict[str, float]:
            "demand": sum(ev.misses for ev in dec) / steps,
            "prefetches": sum(1 for tr in decoding_transfers(res) if not tr.inline) / steps,
            "issues": sum(1 for ev in dec if ev.issued) / steps}
-    for ms, count in HAND_OFFS.items():
-        got = hand_offs(res)[ms]
-        out |= {count: len(got) / steps, ms: statistics.fmean(got) if got else 0.0}
+    for ms, got in hand_offs(res).items():
+        out |= {HAND_OFFS[ms]: len(got) / steps, ms: statistics.fmean(got) if got else 0.0}
     return out
 
 
