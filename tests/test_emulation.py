@@ -197,6 +197,63 @@ def test_a_demand_load_behind_queued_prefetches(store: ExpertStore, backend: str
             reader.close()
 
 
+def test_under_fifo_the_waiting_thread_claims_its_demand_load_once_the_loads_before_it_started(
+        store: ExpertStore) -> None:
+    """FIFO, one worker busy with the prefetch issued first: the demand load queued behind it is performed by the
+    compute thread as soon as that prefetch has started, not left for the worker after it finishes."""
+    import threading
+
+    io, reader = _ram_engine(store, 8, "fifo")
+    release, started = threading.Event(), threading.Event()
+    load = io._load
+
+    def slow_load(tr: Any, slot: int, stream: Any = None) -> None:
+        if tr.kind == "prefetch":
+            started.set()
+            release.wait(10)
+        load(tr, slot, stream)
+
+    io._load = slow_load
+    try:
+        cache = io.cache
+        with cache.lock:  # the worker takes nothing while the lock is held
+            cache.reserve((1, 1))
+            p = io.submit((1, 1), "prefetch", 0)
+            cache.reserve((1, 2))
+            d = io.submit((1, 2), "demand", 0)
+            assert io.steal((1, 2)) is None  # it may not overtake the prefetch issued before it
+        waiter = threading.Thread(target=io.wait, args=(d,), daemon=True)
+        waiter.start()
+        waiter.join(5)
+        assert not waiter.is_alive(), "the compute thread waited for the busy worker instead of claiming its load"
+        assert started.is_set() and p.state == "running" and d.state == "pending"
+        assert io.steal((1, 2)) is d
+        io.execute(d)
+        assert d.inline and d.state == "done" and p.state == "running"
+    finally:
+        release.set()
+        io.drain()
+        io.shutdown()
+        reader.close()
+
+
+def test_the_simulator_claims_a_fifo_demand_load_when_the_woken_worker_has_started_the_load_before_it() -> None:
+    """The same on the virtual clock: a worker woken for the prefetch starts it ``start_s`` after; the demand load
+    issued behind it may not start before that, and then the compute thread performs it (1 ms a load)."""
+    sim = _SimIO(ExpertCache(8), StorageProfile("ram", "ram", demand_first=False), 2, 0.0, 1e-3, start_s=0.5e-3)
+    sim.cache.reserve((1, 1))
+    p = sim.submit((1, 1), "prefetch", 0)
+    sim.cache.reserve((1, 2))
+    d = sim.submit((1, 2), "demand", 0)
+    assert p.t_start == pytest.approx(0.5e-3)
+    assert sim.steal((1, 2)) is None  # the prefetch has not started yet
+    sim.wait(d)
+    assert d.state == "pending" and sim.clock == pytest.approx(0.5e-3)
+    assert sim.steal((1, 2)) is d
+    sim.execute(d)
+    assert d.t_start == pytest.approx(0.5e-3) and d.t_end == pytest.approx(1.5e-3)
+
+
 @pytest.mark.parametrize("compute_opt", [True, False])
 def test_one_loop_makes_the_same_decisions_under_fifo(store: ExpertStore, compute_opt: bool) -> None:
     """The loop over the threaded engine and over the discrete-event backend, both FIFO: the same decisions."""

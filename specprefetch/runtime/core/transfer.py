@@ -13,7 +13,8 @@ Either way prefetches keep the order they were issued in (descending predicted p
 not started when its target layer begins and is not needed there is cancelled.
 
 Workers serve prefetches (and, under ``fifo``, a demand load behind them); a demand load at the head of the
-queue (under ``demand_first`` every demand load, and prefetches promoted before they started) is performed by the
+queue (under ``demand_first`` every demand load, and prefetches promoted before they started; under ``fifo`` one
+whose earlier loads have all started, also when the layer was already waiting for them to) is performed by the
 compute thread itself (:meth:`TransferEngine.steal`) when the layer needs it: the layer blocks on it either way, and
 it then costs no thread hand-off, as in a plain on-demand runtime (measured: a hand-off to a woken worker added
 ~0.5 ms per load on a loaded 2-core host, more than the read itself).
@@ -170,7 +171,7 @@ class TransferEngine:
         """Claim the not-yet-started transfer of ``key`` for the calling thread (None if none is pending)."""
         with self.cond:
             tr = self.active.get(key)
-            if tr is None or tr.state != "pending" or (self.fifo and overtakes(tr, self.pending)):
+            if tr is None or not self.claimable(tr):
                 return None
             self.pending.remove(tr)
             tr.state = "running"
@@ -202,13 +203,20 @@ class TransferEngine:
             self.execute(tr)
         return True
 
+    def claimable(self, tr: Any) -> bool:
+        """Under the lock: the queued ``tr`` may be claimed now (:meth:`steal`): under FIFO only once every load
+        issued before it has started."""
+        return tr.state == "pending" and not (self.fifo and overtakes(tr, self.pending))
+
     def wait(self, tr: Transfer) -> None:
-        """Block until ``tr`` has finished (done, failed or cancelled). When the caller did block and ``tr`` is
-        done, ``tr.t_woken`` is when it ran again: ``t_woken - t_end`` is the hand-off from the worker that finished
-        it back to the waiting thread (a wake-up that waits for a core the I/O workers hold on a small host)."""
+        """Block until ``tr`` has finished (done, failed or cancelled), or, queued under FIFO behind loads issued
+        before it, until they have all started: then the caller claims it (:meth:`steal`) rather than wait for a
+        worker to come free. When the caller did block and ``tr`` is done, ``tr.t_woken`` is when it ran again:
+        ``t_woken - t_end`` is the hand-off from the worker that finished it back to the waiting thread (a wake-up
+        that waits for a core the I/O workers hold on a small host)."""
         with self.cond:
             blocked = not tr.finished
-            while not tr.finished:
+            while not tr.finished and not (self.fifo and self.claimable(tr)):
                 self.cond.wait()
             if blocked and tr.state == "done":
                 tr.t_woken = time.perf_counter()
@@ -278,6 +286,8 @@ class TransferEngine:
             tr = min(ready, key=lambda t: t.seq)
             self.pending.remove(tr)
             tr.state = "running"
+            if self.fifo:  # a load queued behind this one may now be claimed by the thread waiting for it
+                self.cond.notify_all()
             if not tr.t_start:
                 tr.t_start = time.perf_counter()
                 tr.woke = bool(slept) and tr.t_offered >= slept

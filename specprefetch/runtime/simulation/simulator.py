@@ -139,8 +139,9 @@ class _SimIO:
     ``clock`` is the compute thread's time: it moves when compute is charged (``account``), when the compute
     thread waits for a transfer, and when it performs one itself. Workers serve prefetches (under FIFO also a demand
     load queued behind them), sleep when none is queued, and are woken one per prefetch submission; demand loads at
-    the head of the queue (and promoted prefetches not yet started) are performed by the compute thread itself
-    (``steal`` + ``execute``) when the layer needs them, as the runtime does. The two thread hand-offs the runtime
+    the head of the queue (and promoted prefetches not yet started; under FIFO once the loads issued before them
+    have started, also while the compute thread waits) are performed by the compute thread itself (``steal`` +
+    ``execute``) when the layer needs them, as the runtime does. The two thread hand-offs the runtime
     measures take time here too: a worker woken for a load starts it ``start_s`` later, and the compute thread runs
     ``wake_s`` after a load a worker finished while it waited.
     """
@@ -246,7 +247,8 @@ class _SimIO:
     def steal(self, key: Key) -> _Tr | None:
         """The compute thread claims ``key``'s queued transfer from now (None: not queued)."""
         tr = self.active.get(key)
-        if tr is None or tr.state != "pending" or (self.fifo and overtakes(tr, self.pending)):
+        at = None if tr is None else self._claimable_at(tr)
+        if at is None or at > self.clock:
             return None
         self.pending.remove(tr)
         tr.state, tr.t_start = "running", self.clock
@@ -262,11 +264,27 @@ class _SimIO:
         self._wake(tr.t_end)
         self.clock = tr.t_end + (self.load_cpu_s if tr.charged else 0.0)
 
+    def _claimable_at(self, tr: _Tr) -> float | None:
+        """When the compute thread may claim the queued ``tr`` (``steal``): now, or under FIFO once every load
+        issued before it has started (a worker woken for one starts it ``start_s`` after it was offered); None while
+        one of them is still queued, or ``tr`` is not (``TransferEngine.claimable``)."""
+        if tr.state != "pending" or (self.fifo and overtakes(tr, self.pending)):
+            return None
+        if not self.fifo:
+            return self.clock
+        return max([self.clock] + [r.t_start for _, _, r, _ in self.running if r.seq < tr.seq])
+
     def wait(self, tr: _Tr) -> None:
-        """The compute thread waits for the running ``tr``: completions are settled in time order until it is; it
-        runs again ``wake_s`` after (the runtime's measured hand-off, ``TransferEngine.wait``)."""
+        """The compute thread waits for ``tr``: completions are settled in time order until it has finished, or,
+        queued under FIFO, until the loads issued before it have started (then the caller claims it); it runs again
+        ``wake_s`` after (the runtime's measured hand-off, ``TransferEngine.wait``)."""
         blocked = not tr.finished
         while not tr.finished:
+            at = self._claimable_at(tr) if self.fifo else None
+            if at is not None and (not self.running or at < self.running[0][0]):
+                self.advance(at)
+                self.clock += self.wake_s
+                return
             if not self.running:
                 raise SimulationError(f"waiting for the transfer of expert {tr.key}, which no worker serves")
             self._finish_next()
