@@ -203,6 +203,44 @@ def test_profiles_keep_the_papers_phone_budget() -> None:
 SIMULATED = {"nvme_cold": 5, "slow_ufs": 5, "nvme": 4, "ufs": 6}
 
 
+def test_the_platform_scope_runs_every_storage_at_the_reference_storages_budget() -> None:
+    """device.budget_scope platform (the paper's: one M_max profiled on the target platform, kept on the emulated slow
+    storage) reads every storage's budget from the reference storage's profile: by either rule, per layer, look-ahead,
+    pre-attention and batch; the default (storage) reads each storage's own; an unknown scope is one line."""
+    from specprefetch.runtime.core.budget import (
+        BATCH_KEY,
+        PRE_ATTENTION_KEY,
+        batch_budgets,
+        budget_source,
+        lookahead_budgets,
+        pre_attention_budgets,
+    )
+
+    prof = _profile(m_max_simulated_per_storage=SIMULATED, n_experts=8, window_ms_median=4.0,
+                    transfer_ms_used={"nvme_cold": 1.0, "slow_ufs": 3.0, "nvme": 0.5, "ufs": 1.2},
+                    **{PRE_ATTENTION_KEY: {"nvme_cold": 2, "slow_ufs": 1, "nvme": 3, "ufs": 1},
+                       BATCH_KEY: {"2": {"nvme_cold": 6, "slow_ufs": 2, "nvme": 8, "ufs": 5}}})
+    plat = _settings(budget_scope="platform", batch={"sizes": [1, 2], "storages": ["nvme_cold", "slow_ufs"]})
+    own = {**plat, "budget_scope": "storage"}
+    assert budget_source(plat, "slow_ufs") == "nvme_cold" and budget_source(own, "slow_ufs") == "slow_ufs"
+    assert storage_budgets(own, prof) == {"nvme_cold": 4, "slow_ufs": 1, "nvme": 7, "ufs": 3}
+    every = {"nvme_cold": 4, "slow_ufs": 4, "nvme": 4, "ufs": 4}
+    assert storage_budgets(plat, prof) == every
+    assert storage_budgets({**plat, "budget_rule": "simulated"}, prof) == dict.fromkeys(every, 5)
+    assert rule_budgets(plat, prof) == dict.fromkeys(every, {4, 5})
+    assert layer_budgets(plat, prof, every) == dict.fromkeys(every, (4, 4, 4, 4))
+    assert layer_budgets(own, prof, {"nvme_cold": 4, "slow_ufs": 1}) == {"nvme_cold": (4, 4, 4, 4)}
+    assert lookahead_budgets(plat, prof, {"slow_ufs": 4}, [1, 2]) == {"slow_ufs": {1: 4, 2: 8}}
+    assert lookahead_budgets(own, prof, {"slow_ufs": 1}, [1, 2]) == {"slow_ufs": {1: 1, 2: 2}}
+    assert pre_attention_budgets(plat, prof, every) == dict.fromkeys(every, 2)
+    assert batch_budgets(plat, prof, every) == {1: {"nvme_cold": 4, "slow_ufs": 4}, 2: {"nvme_cold": 6, "slow_ufs": 6}}
+    assert batch_budgets(own, prof, storage_budgets(own, prof))[2] == {"nvme_cold": 6, "slow_ufs": 2}
+    with pytest.raises(BudgetError, match=r"^invalid config key 'device.budget_scope': 'disk' \(one of storage, "):
+        storage_budgets({**plat, "budget_scope": "disk"}, prof)
+    with pytest.raises(BudgetError, match=r"no window-rule M_max for storage nvme_cold: rerun"):
+        storage_budgets(plat, _profile(m_max_per_storage={"slow_ufs": 1}))
+
+
 def test_simulated_rule_budgets() -> None:
     """device.budget_rule simulated reads the profile's simulated budgets (no per-layer budgets: the simulated rule
     has one budget per storage); the window rule stays the default; the sweep measures every rule's budget; an

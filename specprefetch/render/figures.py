@@ -59,6 +59,7 @@ from specprefetch.render.style import (  # noqa: E402
     storage_label,
 )
 from specprefetch.render.tables import _unique_m_max, model_budgets  # noqa: E402
+from specprefetch.runtime.core.budget import budget_source  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -318,10 +319,13 @@ def curve_rows(curve: pd.DataFrame | None, sel: Any, rows: pd.DataFrame, kind: s
                  & (curve["io_order"] == _setting(rows, "io_order", "demand_first"))]
 
 
-def simulated_budgets(curve: pd.DataFrame | None, sel: Any, rows: pd.DataFrame) -> dict[str, int]:
-    """The simulated rule's budget per storage for a benchmark's rows (budget_curve.csv's ``storage`` rows)."""
+def simulated_budgets(curve: pd.DataFrame | None, sel: Any, rows: pd.DataFrame,
+                      device: Mapping[str, Any]) -> dict[str, int]:
+    """The simulated rule's budget per storage for a benchmark's rows (budget_curve.csv's ``storage`` rows), each
+    storage's own or, under ``device.budget_scope: platform``, the reference storage's (``budget.budget_source``)."""
     st = curve_rows(curve, sel, rows, "storage")
-    return {str(r.storage): int(r.m_max_simulated) for r in st.itertuples()}
+    own = {str(r.storage): int(r.m_max_simulated) for r in st.itertuples()}
+    return {s: own[budget_source(device, s)] for s in own if budget_source(device, s) in own}
 
 
 def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv",
@@ -355,7 +359,7 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
                      elinewidth=0.8, label="SpecPrefetch")
         ax1.plot([peak], summ.loc[summ["m_max"] == peak, "tokens_per_s_mean"], marker="*", markersize=9, color=c,
                  linestyle="none", label=f"peak ($M_{{\\max}}={peak}$)")
-        sim_budget = simulated_budgets(curve, sel, rows)
+        sim_budget = simulated_budgets(curve, sel, rows, cfg["device"])
         if not off.empty:
             ost = repeat_stats(off["tokens_per_s"], off["repeat"])
             ax1.axhline(ost.mean, color=color("off"), linestyle="--", linewidth=1.0, label="OFF")
@@ -382,7 +386,7 @@ def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str =
                 variant_cells.append(_stat_cell(f"{v}:OFF/throughput", "throughput", vst,
                                                 {"policy": "OFF", "variant": v}))
             variant_cells += _sweep_cells(vs, f"{v}:", {"variant": v}, grid) + rule_losses(
-                vrows, runs, sel, v, simulated_budgets(curve, sel, vrows))
+                vrows, runs, sel, v, simulated_budgets(curve, sel, vrows, cfg["device"]))
         ax1.set_ylabel("Throughput (tok/s)")
         ax1.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3 if not others else 2, frameon=False,
                    columnspacing=1.0, handlelength=1.5)

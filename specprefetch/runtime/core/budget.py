@@ -11,6 +11,9 @@ the scripts) asks this module:
   experts as the storage delivers within the prefetch window ``W``. Per storage from the median window and that
   storage's per-expert transfer time; per layer ``l`` (the layer prefetched into) from layer ``l-1``'s median window
   (:func:`window_budgets`, which ``profile_window`` writes as ``m_max_per_storage`` / ``m_max_per_layer``);
+- **whose profile** (``device.budget_scope``): ``storage`` (default) reads each storage's own budget; ``platform``
+  reads the reference storage's on every storage, as the paper profiles one M_max on its target platform (§3.3) and
+  keeps it on the emulated slow storage (Table 5) (:func:`budget_source`);
 - **which rule** (``device.budget_rule``): ``window`` (the paper's, above) or ``simulated``: the budget the
   trace-driven simulator, fed the window profile alone, finds fastest (``m_max_simulated_per_storage``, written by
   :mod:`specprefetch.runtime.simulation.budget_model`, which says why the window rule under-budgets). Both are
@@ -97,16 +100,34 @@ def budget_storages(settings: Mapping[str, Any]) -> list[str]:
 
 
 RULE_KEYS = {"window": "m_max_per_storage", "simulated": "m_max_simulated_per_storage"}
+SCOPES = ("storage", "platform")
 
 
-def _rule_budgets(profile: Mapping[str, Any], rule: str, names: Sequence[str]) -> dict[str, int]:
-    """The window profile's budget of each storage in ``names`` by ``rule`` (``RULE_KEYS``)."""
-    per = profile.get(RULE_KEYS[rule]) or {}
-    missing = [st for st in names if st not in per]
+def budget_source(settings: Mapping[str, Any], storage: str) -> str:
+    """The storage whose profiled budget ``storage`` runs at (``device.budget_scope``): itself, or under ``platform``
+    the reference storage (``device.reference_storage``), the one M_max the paper profiles on its target platform."""
+    scope = settings.get("budget_scope", "storage")
+    if scope not in SCOPES:
+        raise BudgetError(f"invalid config key 'device.budget_scope': {scope!r} (one of {', '.join(SCOPES)})")
+    return str(settings["reference_storage"]) if scope == "platform" else storage
+
+
+def _sourced(settings: Mapping[str, Any], per: Mapping[str, Any], names: Iterable[str], what: str) -> dict[str, Any]:
+    """``per[budget_source(st)]`` for each storage ``st`` of ``names``; an error naming the storages the profile's
+    ``what`` lacks."""
+    src = {st: budget_source(settings, st) for st in names}
+    missing = [s for s in dict.fromkeys(src.values()) if s not in per]
     if missing:
-        raise BudgetError(f"window profile has no {rule}-rule M_max for storage {', '.join(missing)}: rerun "
-                          "profile-window")
-    return {st: int(per[st]) for st in names}
+        raise BudgetError(f"window profile has no {what} for storage {', '.join(missing)}: rerun profile-window")
+    return {st: per[s] for st, s in src.items()}
+
+
+def _rule_budgets(profile: Mapping[str, Any], rule: str, names: Sequence[str],
+                  settings: Mapping[str, Any]) -> dict[str, int]:
+    """The window profile's budget of each storage in ``names`` by ``rule`` (``RULE_KEYS``), read from its
+    :func:`budget_source`."""
+    got = _sourced(settings, profile.get(RULE_KEYS[rule]) or {}, names, f"{rule}-rule M_max")
+    return {st: int(m) for st, m in got.items()}
 
 
 def budget_rule(settings: Mapping[str, Any]) -> str:
@@ -127,7 +148,7 @@ def storage_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | No
         return {st: int(settings["m_max"]) for st in names}
     if profile is None:
         raise BudgetError(f"device.m_max is auto: its M_max comes from the window profile; give {need}")
-    return _rule_budgets(profile, budget_rule(settings), names)
+    return _rule_budgets(profile, budget_rule(settings), names, settings)
 
 
 def rule_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | None) -> dict[str, set[int]]:
@@ -139,7 +160,7 @@ def rule_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | None)
     out: dict[str, set[int]] = {st: set() for st in names}
     for rule, key in RULE_KEYS.items():
         if key in profile:
-            for st, m in _rule_budgets(profile, rule, names).items():
+            for st, m in _rule_budgets(profile, rule, names, settings).items():
                 out[st].add(m)
     return out
 
@@ -161,7 +182,7 @@ def layer_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any],
     n_layers = int(profile.get("n_layers", 0))
     out = {}
     for st, m in budgets.items():
-        layers = per.get(st)
+        layers = per.get(budget_source(settings, st))
         if layers is None:
             continue
         if len(layers) != n_layers - 1:
@@ -221,7 +242,7 @@ def lookahead_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | 
     for st, m in budgets.items():
         if window_rule:
             assert profile is not None and n is not None
-            t = (profile.get("transfer_ms_used") or {}).get(st)
+            t = (profile.get("transfer_ms_used") or {}).get(budget_source(settings, st))
             if t is None:
                 raise BudgetError(f"window profile has no transfer_ms_used for storage {st}: rerun profile-window")
             w = float(profile["window_ms_median"])
@@ -242,12 +263,8 @@ def pre_attention_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any
     else the storage's budget ``budgets[storage]`` (a configured integer, or the simulated rule's)."""
     if profile is None or not is_auto(settings["m_max"]) or budget_rule(settings) != "window":
         return {st: int(m) for st, m in budgets.items()}
-    per = profile.get(PRE_ATTENTION_KEY) or {}
-    missing = [st for st in budgets if st not in per]
-    if missing:
-        raise BudgetError(f"window profile has no pre-attention M_max for storage {', '.join(missing)}: rerun "
-                          "profile-window")
-    return {st: int(per[st]) for st in budgets}
+    got = _sourced(settings, profile.get(PRE_ATTENTION_KEY) or {}, budgets, "pre-attention M_max")
+    return {st: int(m) for st, m in got.items()}
 
 
 BATCH_KEY = "m_max_batch_per_storage"  # profile.json: {B: {storage: M_max}} for the batch sizes beyond 1
@@ -276,11 +293,11 @@ def batch_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | None
             out[b] = dict(one)
             continue
         got = per.get(str(b)) or {}
-        lack = [st for st in storages if st not in got]
+        lack = [s for s in dict.fromkeys(budget_source(settings, st) for st in storages) if s not in got]
         if lack:
             raise BudgetError(f"window profile has no M_max for a batch of {b} on {', '.join(lack)}: rerun "
                               "profile-window with the batch experiment configured")
-        out[b] = {st: int(got[st]) for st in storages}
+        out[b] = {st: int(got[budget_source(settings, st)]) for st in storages}
     return out
 
 
