@@ -325,7 +325,8 @@ def simulated_budgets(curve: pd.DataFrame | None, sel: Any, rows: pd.DataFrame,
     storage's own or, under ``device.budget_scope: platform``, the reference storage's (``budget.budget_source``)."""
     st = curve_rows(curve, sel, rows, "storage")
     own = {str(r.storage): int(r.m_max_simulated) for r in st.itertuples()}
-    return {s: own[budget_source(device, s)] for s in own if budget_source(device, s) in own}
+    src = {s: budget_source(device, s) for s in own}
+    return {s: own[src[s]] for s in own if src[s] in own}
 
 
 def figure_budget(runs: pd.DataFrame, cfg: Mapping[str, Any], path: Path | str = "runs.csv",
