@@ -31,10 +31,12 @@ from specprefetch.runtime.core.budget import (
 
 
 def _settings(m_max: Any = "auto", **over: Any) -> dict[str, Any]:
+    """The device section with each storage at its own budget (``budget_scope: storage``), so a test sees every
+    storage's rule; the default, one budget per platform, has its own test."""
     from specprefetch.config import section_defaults
 
     return section_defaults("device", {"m_max": m_max, "reference_storage": "nvme_cold", "slow_storage": "slow_ufs",
-                                       "storages": ["nvme_cold", "nvme", "ufs"], **over})
+                                       "storages": ["nvme_cold", "nvme", "ufs"], "budget_scope": "storage", **over})
 
 
 def _profile(**over: Any) -> dict[str, Any]:
@@ -167,14 +169,15 @@ def test_platform_window_is_the_simulated_window() -> None:
 
 
 def test_platform_budget_from_the_window_rule_or_the_config() -> None:
-    """``device.simulator.m_max``: the configured integer on every storage, or auto -- per storage, the median window
-    over the device model's per-expert time (latency + 1.94 MB / bandwidth)."""
+    """``device.simulator.m_max``: the configured integer on every storage, or auto -- the median window over the
+    device model's per-expert time (latency + 1.94 MB / bandwidth): the platform's NVMe's on every storage (the
+    paper's one M_max per platform, ``budget_scope: platform``, the default), or per storage (``storage``)."""
     from specprefetch.runtime.simulation.platforms import platform_m_max
 
     p, comp = _phone()
     s = _settings(simulator={"m_max": 8}, storages=["nvme_cold", "ram", "nvme", "ufs"], emulation="bandwidth")
     assert platform_m_max(p, s, 600.0, comp, 64) == 8
-    auto = {**s, "simulator": {**s["simulator"], "m_max": "auto"}}
+    auto = {**s, "simulator": {**s["simulator"], "m_max": "auto"}, "budget_scope": "storage"}
     w = (1 - 0.52) / 3.753 / 12 * 1e3  # ms per decoder layer: 48 % of 266.5 ms over 12 layers
     expect = {"nvme_cold": math.floor(w / (0.1 + 1.94e6 / 1940e6 * 1e3)),           # 1.1 ms -> 9
               "slow_ufs": math.floor(w / (0.2 + 1.94e6 / 850e6 * 1e3)),             # UFS 2.1: 2.48 ms -> 4
@@ -185,6 +188,7 @@ def test_platform_budget_from_the_window_rule_or_the_config() -> None:
     # the delay emulation adds to the phone's own NVMe read (1.1 ms): no emulated device is faster than it
     delay = {**auto, "emulation": "delay"}
     assert platform_m_max(p, delay, 1940.0, comp, 64) == {**expect, "nvme": 9, "ufs": 9}
+    assert platform_m_max(p, {**auto, "budget_scope": "platform"}, 1940.0, comp, 64) == dict.fromkeys(expect, 9)
     with pytest.raises(BudgetError, match=r"device.simulator.m_max"):
         platform_m_max(p, {**s, "simulator": {"m_max": "eight"}}, 600.0, comp, 64)
 
@@ -206,7 +210,8 @@ SIMULATED = {"nvme_cold": 5, "slow_ufs": 5, "nvme": 4, "ufs": 6}
 def test_the_platform_scope_runs_every_storage_at_the_reference_storages_budget() -> None:
     """device.budget_scope platform (the paper's: one M_max profiled on the target platform, kept on the emulated slow
     storage) reads every storage's budget from the reference storage's profile: by either rule, per layer, look-ahead,
-    pre-attention and batch; the default (storage) reads each storage's own; an unknown scope is one line."""
+    pre-attention and batch; it is the default; storage (beyond the paper) reads each storage's own; an unknown scope
+    is one line."""
     from specprefetch.runtime.core.budget import (
         BATCH_KEY,
         PRE_ATTENTION_KEY,
@@ -220,6 +225,9 @@ def test_the_platform_scope_runs_every_storage_at_the_reference_storages_budget(
                     transfer_ms_used={"nvme_cold": 1.0, "slow_ufs": 3.0, "nvme": 0.5, "ufs": 1.2},
                     **{PRE_ATTENTION_KEY: {"nvme_cold": 2, "slow_ufs": 1, "nvme": 3, "ufs": 1},
                        BATCH_KEY: {"2": {"nvme_cold": 6, "slow_ufs": 2, "nvme": 8, "ufs": 5}}})
+    from specprefetch.config import section_defaults
+
+    assert section_defaults("device")["budget_scope"] == "platform"
     plat = _settings(budget_scope="platform", batch={"sizes": [1, 2], "storages": ["nvme_cold", "slow_ufs"]})
     own = {**plat, "budget_scope": "storage"}
     assert budget_source(plat, "slow_ufs") == "nvme_cold" and budget_source(own, "slow_ufs") == "slow_ufs"
@@ -235,7 +243,7 @@ def test_the_platform_scope_runs_every_storage_at_the_reference_storages_budget(
     assert pre_attention_budgets(plat, prof, every) == dict.fromkeys(every, 2)
     assert batch_budgets(plat, prof, every) == {1: {"nvme_cold": 4, "slow_ufs": 4}, 2: {"nvme_cold": 6, "slow_ufs": 6}}
     assert batch_budgets(own, prof, storage_budgets(own, prof))[2] == {"nvme_cold": 6, "slow_ufs": 2}
-    with pytest.raises(BudgetError, match=r"^invalid config key 'device.budget_scope': 'disk' \(one of storage, "):
+    with pytest.raises(BudgetError, match=r"^invalid config key 'device.budget_scope': 'disk' \(one of platform, "):
         storage_budgets({**plat, "budget_scope": "disk"}, prof)
     with pytest.raises(BudgetError, match=r"no window-rule M_max for storage nvme_cold: rerun"):
         storage_budgets(plat, _profile(m_max_per_storage={"slow_ufs": 1}))
@@ -591,7 +599,8 @@ def test_batch_budgets_plan_and_blocks() -> None:
     from specprefetch.runtime.core.budget import batch_budgets
     from specprefetch.runtime.measurement.bench import plan_experiments, row_signature, storage_blocks
 
-    s = section_defaults("device", {"batch": {"sizes": [1, 4], "storages": ["nvme_cold", "slow_ufs"]}})
+    s = section_defaults("device", {"batch": {"sizes": [1, 4], "storages": ["nvme_cold", "slow_ufs"]},
+                                    "budget_scope": "storage"})
     prof = {"m_max_batch_per_storage": {"4": {"nvme_cold": 7, "slow_ufs": 9}}}
     budgets = {"nvme_cold": 3, "slow_ufs": 4}
     got = batch_budgets(s, prof, budgets)

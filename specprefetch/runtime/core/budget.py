@@ -11,9 +11,9 @@ the scripts) asks this module:
   experts as the storage delivers within the prefetch window ``W``. Per storage from the median window and that
   storage's per-expert transfer time; per layer ``l`` (the layer prefetched into) from layer ``l-1``'s median window
   (:func:`window_budgets`, which ``profile_window`` writes as ``m_max_per_storage`` / ``m_max_per_layer``);
-- **whose profile** (``device.budget_scope``): ``storage`` (default) reads each storage's own budget; ``platform``
-  reads the reference storage's on every storage, as the paper profiles one M_max on its target platform (§3.3) and
-  keeps it on the emulated slow storage (Table 5) (:func:`budget_source`);
+- **whose profile** (``device.budget_scope``): ``platform`` (default, the paper's) reads the reference storage's on
+  every storage, as the paper profiles one M_max on its target platform (§3.3) and keeps it on the emulated slow
+  storage (Table 5); ``storage`` (beyond the paper) reads each storage's own budget (:func:`budget_source`);
 - **which rule** (``device.budget_rule``): ``window`` (the paper's, above) or ``simulated``: the budget the
   trace-driven simulator, fed the window profile alone, finds fastest (``m_max_simulated_per_storage``, written by
   :mod:`specprefetch.runtime.simulation.budget_model`, which says why the window rule under-budgets). Both are
@@ -100,13 +100,13 @@ def budget_storages(settings: Mapping[str, Any]) -> list[str]:
 
 
 RULE_KEYS = {"window": "m_max_per_storage", "simulated": "m_max_simulated_per_storage"}
-SCOPES = ("storage", "platform")
+SCOPES = ("platform", "storage")
 
 
 def budget_source(settings: Mapping[str, Any], storage: str) -> str:
     """The storage whose profiled budget ``storage`` runs at (``device.budget_scope``): itself, or under ``platform``
     the reference storage (``device.reference_storage``), the one M_max the paper profiles on its target platform."""
-    scope = settings.get("budget_scope", "storage")
+    scope = settings.get("budget_scope", "platform")
     if scope not in SCOPES:
         raise BudgetError(f"invalid config key 'device.budget_scope': {scope!r} (one of {', '.join(SCOPES)})")
     return str(settings["reference_storage"]) if scope == "platform" else storage

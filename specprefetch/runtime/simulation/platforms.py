@@ -37,7 +37,7 @@ from typing import Any
 
 from specprefetch.contracts import EMULATED
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.core.budget import AUTO, budget_storages, is_auto, window_budgets
+from specprefetch.runtime.core.budget import AUTO, budget_source, budget_storages, is_auto, window_budgets
 from specprefetch.runtime.core.storage import StorageProfile, delayed_device, make_profile
 from specprefetch.runtime.simulation.simulator import ComputeProfile, SimSequence, simulate
 
@@ -129,17 +129,20 @@ def platform_windows_ms(compute: ComputeProfile) -> dict[int, float]:
 
 def platform_m_max(p: dict[str, Any], settings: dict[str, Any], bandwidth_mbps: float, compute: ComputeProfile,
                    n_experts: int) -> int | dict[str, int]:
-    """The simulated platform's budget: ``device.simulator.m_max`` when an integer, else per storage (the
-    reference is the platform's NVMe) the window rule on the platform's median window and that storage's
-    per-expert transfer time in the device model (see the module docstring)."""
+    """The simulated platform's budget: ``device.simulator.m_max`` when an integer, else per storage the window rule
+    on the platform's median window and the per-expert transfer time in the device model (see the module docstring)
+    of the storage whose budget it runs at (``device.budget_scope``, :func:`~specprefetch.runtime.core.budget.
+    budget_source`: the platform's NVMe, its reference, on every storage; or each storage's own)."""
     setting = settings["simulator"]["m_max"]
     if not is_auto(setting, "device.simulator.m_max"):
         return int(setting)
     windows = platform_windows_ms(compute)
-    storages = budget_storages({**settings, "reference_storage": "nvme_cold"})
+    ref = {**settings, "reference_storage": "nvme_cold"}
+    storages = budget_storages(ref)
     transfer_ms = {st: platform_storage(p, st, settings, bandwidth_mbps).transfer_s() * 1e3 for st in storages}
     window_ms = statistics.median(windows.values()) if windows else float("nan")
-    per_storage, _ = window_budgets(AUTO, window_ms, windows, transfer_ms, n_experts)
+    own, _ = window_budgets(AUTO, window_ms, windows, transfer_ms, n_experts)
+    per_storage = {st: own[budget_source(ref, st)] for st in storages}
     log.info("%s: window %.2f ms, per-expert transfer %s ms -> M_max %s", p["name"], window_ms,
              {st: round(t, 3) for st, t in transfer_ms.items()}, per_storage)
     return per_storage
