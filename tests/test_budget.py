@@ -343,16 +343,28 @@ def test_shaped_device_takes_the_asked_load_time(emulation: str) -> None:
 
 
 def test_the_disk_model_serves_one_expert_per_the_runtimes_service_time() -> None:
-    """The simulator's disk from a window profile: one expert per the runtime's measured service time, no latency on
-    top (the isolated read is not what the runtime's loads take), the run inputs' model at the profiled service time;
-    without the runtime's service time, the disk fitted alone."""
-    from specprefetch.runtime.simulation.simrun import disk_model, service_disk
+    """The simulator's disk from a window profile: one expert per the runtime's measured service time with loads in
+    flight together (a prefetching run at M = K), and the serial service time's excess over it (OFF's, from the
+    lockstep block) as a pipelined latency: a load alone takes the serial time, a burst one expert per the overlapped
+    one. No latency without the serial time, or when it is not larger (the isolated read is not what the runtime's
+    loads take); without the runtime's service time, the disk fitted alone."""
+    from specprefetch.runtime.core.storage import BandwidthModel
+    from specprefetch.runtime.simulation.simrun import disk_model, serial_service_ms, service_disk
 
     prof = {"payload_bytes": 2_000_000, "physical_model": {"bandwidth_mbps": 2000.0, "latency_ms": 0.5},
             "transfer_ms_in_runtime": {"nvme_cold": 1.6}, "transfer_ms": {"nvme_cold": {"transfer_ms": 1.9}}}
     d = disk_model(prof, {"io_order": "fifo"})
     assert d.transfer_s() * 1e3 == pytest.approx(1.6) and d.latency_ms == 0.0 and not d.demand_first
     assert d == service_disk(2_000_000, 1.6, demand_first=False)
+    serial = {**prof, "io_interference": {"runs": {"off": {"service_ms": 2.0}, "resident": {"service_ms": math.nan}}}}
+    assert serial_service_ms(serial) == 2.0 and math.isnan(serial_service_ms(prof))
+    d = disk_model(serial, {})
+    assert d.latency_ms == pytest.approx(0.4) and d.transfer_s() * 1e3 == pytest.approx(2.0)
+    disk = BandwidthModel(d)
+    ends = [disk.schedule(0.0) * 1e3 for _ in range(4)]  # a burst of four: one expert per 1.6 ms after the first
+    assert ends == pytest.approx([2.0, 3.6, 5.2, 6.8])
+    faster = {**serial, "io_interference": {"runs": {"off": {"service_ms": 1.2}}}}
+    assert disk_model(faster, {}) == service_disk(2_000_000, 1.6)
     fitted = disk_model({**prof, "transfer_ms_in_runtime": {"nvme_cold": float("nan")}}, {})
     assert (fitted.bandwidth_mbps, fitted.latency_ms, fitted.demand_first) == (2000.0, 0.5, True)
 

@@ -580,6 +580,9 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
         assert set(io["runs"]) == {"resident", "off", "predicting", "prefetching_m1", f"prefetching_m{spec.top_k}"}
         assert io["runs"]["resident"]["demand"] == 0 < io["runs"]["off"]["demand"]
         assert io["runs"]["prefetching_m1"]["prefetches"] < io["runs"][f"prefetching_m{spec.top_k}"]["prefetches"]
+        # the disk's service time per expert in each run that loaded one (OFF's: its loads one after another, the
+        # simulator's serial service time); none in the runs without a load
+        assert io["runs"]["off"]["service_ms"] > 0 and math.isnan(io["runs"]["resident"]["service_ms"])
         # the thread hand-offs of the loads a worker served (back to the compute thread that waited, to a worker that
         # slept), pooled over the runs: prefetching runs wake their workers
         assert all(io[ms] >= 0 and all(r[n] >= 0 and r[ms] >= 0 for r in io["runs"].values())
@@ -630,9 +633,13 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     m2 = derive_m_max(2 * prof["window_ms_median"], prof["transfer_ms_used"]["nvme_cold"], spec.n_experts)
     control = int(m2 != m1)
     # the pre_attention experiment on the reference and the slow storage: OFF, SpecPrefetch, and the pre-attention
-    # policy at its own budget and at SpecPrefetch's (one run where they are the same)
-    pre_runs = sum(3 + int(prof["m_max_pre_attention_per_storage"][st] != prof["m_max_per_storage"][st])
-                   for st in ("nvme_cold", "slow_ufs"))
+    # policy at its own budget and at SpecPrefetch's (one run where they are the same), each the budget the storage
+    # runs at (the reference storage's on every storage, device.budget_scope platform)
+    from specprefetch.runtime.core.budget import pre_attention_budgets, storage_budgets
+
+    budgets = storage_budgets(s, prof)
+    pre = pre_attention_budgets(s, prof, budgets)
+    pre_runs = sum(3 + int(pre[st] != budgets[st]) for st in ("nvme_cold", "slow_ufs"))
     assert list(got[0])[:17] == RUN_COLUMNS[:17] and len(got) == len(rows) == 6 + 8 + 4 + 3 + control + pre_runs
     ahead_rows = {(int(r["lookahead"]), int(r["m_max"])): r for r in got
                   if r["experiment"] == "lookahead" and r["policy"] != "off"}

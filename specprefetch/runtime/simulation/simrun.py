@@ -82,26 +82,45 @@ def local_storage(profile: dict[str, Any], storage: str,
 
 
 def disk_model(profile: Mapping[str, Any], settings: Mapping[str, Any]) -> StorageProfile:
-    """The physical disk as the simulator models it from the window profile: one expert per the runtime's measured
-    service time (``transfer_ms_in_runtime['nvme_cold']``: in a prefetching run at M = K, the time some transfer was
-    running divided by their number, so the workers' overlap, their wake-ups and the CPU they share with compute are
-    in it), no latency on top: the same model as the ``run`` inputs' (:func:`service_disk`), at the profile's
-    service time. The isolated cold read (``transfer_ms['nvme_cold']``, one request after an idle disk) is not what
-    the runtime's loads take: its excess over the service time, once charged to every load as a pipelined latency,
-    made the simulator's OFF 24 % slower than the benchmark's in a fresh run on the 2-core VM, whose demand loads,
-    performed back to back by the compute thread, each took the service time (docs/device-benchmarks.md#simulator).
-    A profile without the runtime's service time gets the disk fitted alone (``physical_model``: the concurrent
-    throughput of the disk with nothing computing), which over-states it while the model computes on a small host."""
+    """The physical disk as the simulator models it from the window profile, from the runtime's measured service
+    times (in a run, the time some transfer was running divided by their number, so the workers' overlap, their
+    wake-ups and the CPU they share with compute are in it):
+
+    - one expert per ``transfer_ms_in_runtime['nvme_cold']``, the service time of a prefetching run at M = K, whose
+      I/O workers keep several loads in flight: the disk's throughput (its data phases, served in turn);
+    - plus, where the profile's lockstep block measured it (``io_interference.runs.off.service_ms``: OFF, whose
+      demand loads the compute thread performs one after another), the serial service time's excess over it as a
+      pipelined latency (``BandwidthModel``: concurrent loads overlap it). So a load alone takes the serial service
+      time and loads in flight together one expert per the overlapped one, as the runs measured: on the 2-core VM
+      an expert took 1.16-1.22 ms to serve alone (OFF) and 0.97-0.99 ms at M = 8-16 (run D, DeepSeek).
+
+    Without the serial service time the disk has no latency (each load takes the overlapped service time, which
+    made loads performed alone, OFF's and a low budget's, too fast). The isolated cold read (``transfer_ms
+    ['nvme_cold']``, one request after an idle disk) is not what the runtime's loads take: its excess over the service
+    time, once charged to every load as a latency, made the simulator's OFF 24 % slower than the benchmark's in a
+    fresh run on the 2-core VM (docs/device-benchmarks.md#simulator). A profile without the runtime's service time gets
+    the disk fitted alone (``physical_model``: the concurrent throughput of the disk with nothing computing), which
+    over-states it while the model computes on a small host."""
     payload = int(profile["payload_bytes"])
     demand_first = settings.get("io_order", "demand_first") == "demand_first"
     service = float((profile.get("transfer_ms_in_runtime") or {}).get("nvme_cold", float("nan")))
     if math.isfinite(service) and service > 0:
-        return service_disk(payload, service, demand_first)
+        return service_disk(payload, service, demand_first, serial_service_ms(profile))
     phys = profile.get("physical_model")
     if not phys:
         raise SpecPrefetchError("profile.json has no physical_model: nvme_cold was not profiled")
     return StorageProfile("nvme_cold", "emulated", float(phys["bandwidth_mbps"]), float(phys["latency_ms"]),
                           payload, demand_first=demand_first)
+
+
+def serial_service_ms(profile: Mapping[str, Any]) -> float:
+    """The disk's per-expert service time with its loads performed one after another: the OFF run of the profile's
+    lockstep block on the reference storage (``window.step_load``'s ``service_ms``); NaN where not measured (a profile
+    from before it was, or a window profile whose reference storage is not the disk)."""
+    fit = profile.get("io_interference")
+    off = (fit.get("runs") or {}).get("off") if isinstance(fit, Mapping) else None
+    v = float(off.get("service_ms", float("nan"))) if isinstance(off, Mapping) else float("nan")
+    return v if math.isfinite(v) and v > 0 else float("nan")
 
 
 def profile_inputs(profile: dict[str, Any], storage: str, settings: dict[str, Any],
@@ -196,9 +215,13 @@ def reads_disk(storage: str, settings: Mapping[str, Any]) -> bool:
     return storage == "nvme_cold" or (storage in EMULATED and settings.get("emulation") == "delay")
 
 
-def service_disk(payload: int, service_ms: float, demand_first: bool = True) -> StorageProfile:
-    """A disk serving one expert of ``payload`` bytes per ``service_ms``, one at a time, with no latency on top."""
-    return StorageProfile("nvme_cold", "emulated", payload / (service_ms * 1e-3) / 1e6, 0.0, payload,
+def service_disk(payload: int, service_ms: float, demand_first: bool = True,
+                 serial_ms: float = float("nan")) -> StorageProfile:
+    """A disk serving one expert of ``payload`` bytes per ``service_ms``, one at a time, and, given the service time of
+    a load served alone (``serial_ms``), the excess of that over ``service_ms`` as a pipelined latency (none if it is
+    not measured or not larger)."""
+    latency = serial_ms - service_ms if math.isfinite(serial_ms) and serial_ms > service_ms else 0.0
+    return StorageProfile("nvme_cold", "emulated", payload / (service_ms * 1e-3) / 1e6, latency, payload,
                           demand_first=demand_first)
 
 
