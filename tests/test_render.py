@@ -392,12 +392,14 @@ def test_window_rule_margin_says_how_far_the_host_may_drift() -> None:
 
 
 def test_table5_says_what_the_host_gave_each_storage(rendered: Path) -> None:
+    """Each storage's host figures and its own window rule's budget, and where the table's runs on a storage used
+    another budget (one budget per platform, the default: the fixture's runs are at 8 on both), that one."""
     meta = read_table_doc(rendered / "table5_matched.json").meta
     assert [h["storage"] for h in meta["host"]] == ["nvme_cold", "slow_ufs"]
     assert meta["host"][1]["delay_ms"] == 1.2 and meta["host"][1]["emulation"] == "delay"
+    assert [(h["m_max"], h["ran_m_max"]) for h in meta["host"]] == [(2, 8), (1, 8)]
     tex = (rendered / "table5_matched.tex").read_text().replace("\n", " ")
-    assert "delay emulation, delay 1.20 ms" in tex
-
+    assert "of this host's); its runs at M\\_max = 8, delay emulation, delay 1.20 ms" in tex
 
 def test_table5_bold_and_matched_budget(rendered: Path, cfg: dict, results: dict[str, Path],
                                         tmp_path: Path) -> None:

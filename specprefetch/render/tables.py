@@ -437,10 +437,13 @@ def device_sentence(cfg: Mapping[str, Any], sel: DeviceSelection, rows: pd.DataF
             f"against OFF. {prof}")
 
 
-def host_note(inputs: Mapping[str, Path], sel: DeviceSelection, storages: Sequence[str]) -> tuple[str, list[dict]]:
+def host_note(inputs: Mapping[str, Path], sel: DeviceSelection, storages: Sequence[str],
+              ran: Mapping[str, int] | None = None) -> tuple[str, list[dict]]:
     """What the host gave a device table's runs (``host.csv``, the window profile's): a sentence and the rows, so a
     reader can set runs on different hosts side by side (the window-to-transfer ratio W/t decides prefetching).
-    Empty for a platform with no local profile (external logs, the simulator) or without ``host.csv``."""
+    Where the table's runs on a storage used another budget than that storage's own window rule gives (``ran``, from
+    the runs: e.g. the reference storage's, ``device.budget_scope: platform``), it says so (``ran_m_max``). Empty
+    for a platform with no local profile (external logs, the simulator) or without ``host.csv``."""
     path = inputs.get("host")
     if path is None or not Path(path).is_file():  # an archive from before host.csv existed
         log.warning("%s: no host.csv, the device tables say nothing of the host's window and transfer times", path)
@@ -449,6 +452,8 @@ def host_note(inputs: Mapping[str, Path], sel: DeviceSelection, storages: Sequen
     rows = host[(host["platform"] == sel.platform) & (host["model"] == sel.model) & host["storage"].isin(storages)]
     if rows.empty:
         return "", []
+    own = dict(zip(rows["storage"].astype(str), rows["m_max"].astype(int), strict=True))
+    other = {str(st): int(m) for st, m in (ran or {}).items() if str(st) in own and int(m) != own[str(st)]}
     rows = rows.set_index("storage").loc[[st for st in storages if st in set(rows["storage"])]]
     parts = []
     margins: dict[str, dict[str, float]] = {}
@@ -460,14 +465,16 @@ def host_note(inputs: Mapping[str, Path], sel: DeviceSelection, storages: Sequen
             margins[str(st)] = margin
             edge = (f" (the window rule's budget for W/t within {margin['down_pct']:+.1f} % / "
                     f"{margin['up_pct']:+.1f} % of this host's)")
+        at = f"; its runs at M_max = {other[str(st)]}" if str(st) in other else ""
         parts.append(f"{storage_label(st)}: t = {r['transfer_ms']:.2f} ms per expert, W/t = {r['w_over_t']:.2f}, "
-                     f"M_max = {int(r['m_max'])}{edge}{delay}")
+                     f"M_max = {int(r['m_max'])}{edge}{at}{delay}")
     first = rows.iloc[0]
     text = (f"Host (profile-window): compute {first['compute_ms']:.2f} ms per MoE layer all resident, window "
             f"W = {first['window_ms']:.2f} ms; " + "; ".join(parts) + ".")
     meta = [{"storage": st, **{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()
                                 if k not in ("platform", "model")},
-             **({"window_rule_margin": margins[str(st)]} if str(st) in margins else {})} for st, r in rows.iterrows()]
+             **({"window_rule_margin": margins[str(st)]} if str(st) in margins else {}),
+             **({"ran_m_max": other[str(st)]} if str(st) in other else {})} for st, r in rows.iterrows()]
     return text, meta
 
 
@@ -655,7 +662,7 @@ def build_table5(inputs: Mapping[str, Path], cfg: Mapping[str, Any]) -> Built:
                f"gain vs OFF under {storage_phrase(cold)} and {storage_phrase(slow)}, ReadyRecall under "
                f"{storage_phrase(cold)}. Bold: best mean per column. "
                + latex_escape(device_sentence(cfg, sel, shown)))
-    host_text, host = host_note(inputs, sel, list(dict.fromkeys([cold, slow])))
+    host_text, host = host_note(inputs, sel, list(dict.fromkeys([cold, slow])), budgets)
     caption += latex_escape(" " + host_text) if host_text else ""
     context = {"caption": caption, "label": "tab:matched", "rows": rows, "headers": headers}
     doc = TableDoc("table5_matched", "Table 5: matched-budget comparison", cfg["profile"], cells,
