@@ -356,7 +356,7 @@ def test_the_disk_model_serves_one_expert_per_the_runtimes_service_time() -> Non
     d = disk_model(prof, {"io_order": "fifo"})
     assert d.transfer_s() * 1e3 == pytest.approx(1.6) and d.latency_ms == 0.0 and not d.demand_first
     assert d == service_disk(2_000_000, 1.6, demand_first=False)
-    serial = {**prof, "io_interference": {"runs": {"off": {"service_ms": 2.0}, "resident": {"service_ms": math.nan}}}}
+    serial = {**prof, "io_interference": {"runs": {"off": {"service_ms": 2.0}, "resident": {}}}}
     assert serial_service_ms(serial) == 2.0 and math.isnan(serial_service_ms(prof))
     d = disk_model(serial, {})
     assert d.latency_ms == pytest.approx(0.4) and d.transfer_s() * 1e3 == pytest.approx(2.0)

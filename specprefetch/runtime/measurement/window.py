@@ -319,15 +319,18 @@ def step_load(res: RunResult, comp: Mapping[str, Any]) -> dict[str, float]:
     compute (``compute_ms``: bookkeeping and prediction, the experts without their stalls, the gaps between layers
     and the head, from the run's :func:`compute_profile` ``comp``), demand loads, prefetches the I/O workers served
     (a queued prefetch cancelled before it started costs the compute nothing), layers that issued at least one
-    prefetch, the thread hand-offs (:func:`hand_offs`: how many per step and their mean, in ms) and the storage's
-    per-expert service time in the run (``service_ms``, :func:`service_transfer_ms`; NaN with no transfer)."""
+    prefetch, the thread hand-offs (:func:`hand_offs`: how many per step and their mean, in ms) and, in a run that
+    transferred an expert while decoding, the storage's per-expert service time (``service_ms``,
+    :func:`service_transfer_ms`; absent in a run without one: profile.json holds finite numbers only)."""
     dec = [ev for ev in res.events if ev.decode]
     steps = max(1, sum(1 for ev in dec if ev.layer == 0))
     out = {"compute_ms": _total_s(comp) * 1e3,
            "demand": sum(ev.misses for ev in dec) / steps,
            "prefetches": sum(1 for tr in decoding_transfers(res) if not tr.inline) / steps,
-           "issues": sum(1 for ev in dec if ev.issued) / steps,
-           "service_ms": service_transfer_ms(res)}
+           "issues": sum(1 for ev in dec if ev.issued) / steps}
+    service = service_transfer_ms(res)
+    if math.isfinite(service):
+        out["service_ms"] = service
     for ms, got in hand_offs(res).items():
         out |= {HAND_OFFS[ms]: len(got) / steps, ms: statistics.fmean(got) if got else 0.0}
     return out
