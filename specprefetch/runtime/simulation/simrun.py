@@ -117,10 +117,8 @@ def serial_service_ms(profile: Mapping[str, Any]) -> float:
     """The disk's per-expert service time with its loads performed one after another: the OFF run of the profile's
     lockstep block on the reference storage (``window.step_load``'s ``service_ms``); NaN where not measured (a profile
     from before it was, or a window profile whose reference storage is not the disk)."""
-    fit = profile.get("io_interference")
-    off = (fit.get("runs") or {}).get("off") if isinstance(fit, Mapping) else None
-    v = float(off.get("service_ms", float("nan"))) if isinstance(off, Mapping) else float("nan")
-    return v if math.isfinite(v) and v > 0 else float("nan")
+    off = ((profile.get("io_interference") or {}).get("runs") or {}).get("off") or {}
+    return float(off.get("service_ms", float("nan")))  # service_disk takes it only when finite and above the other
 
 
 def profile_inputs(profile: dict[str, Any], storage: str, settings: dict[str, Any],
