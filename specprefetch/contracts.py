@@ -376,7 +376,7 @@ RUN_COLUMNS = [
     "peak_cache_bytes", "capacity_bytes", "decode_s", "record_bytes", "expert_format", "tokens_match",
     "tokens_sha256", "bound_tokens_per_s", "measured_in", "run_order", "layer_m_max", "bound_own_tokens_per_s",
     "block", "emulation", "io_order", "tokens_match_trained", "routing_diff_trained", "routing_sets", "lookahead",
-    "budget_rule", "m_max_mean", "batch",
+    "budget_rule", "m_max_mean", "batch", "budget_scope",
 ]
 RUN_KEY_COLUMNS = 17  # the first 17 (up to ``source``) every runs CSV must have, measured, simulated or merged
 

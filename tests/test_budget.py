@@ -618,7 +618,7 @@ def test_batch_budgets_plan_and_blocks() -> None:
     got = batch_budgets(s, prof, budgets)
     assert got == {1: {"nvme_cold": 3, "slow_ufs": 4}, 4: {"nvme_cold": 7, "slow_ufs": 9}}
     assert batch_budgets({**s, "m_max": 2}, prof, budgets) == {1: budgets, 4: budgets}
-    with pytest.raises(BudgetError, match="no M_max for a batch of 4 on nvme_cold, slow_ufs"):
+    with pytest.raises(BudgetError, match="no M_max for a batch of 4 for storage nvme_cold, slow_ufs"):
         batch_budgets(s, {}, budgets)
     plan = plan_experiments(s, budgets, ["main", "batch"], batch_m_max=got)
     assert {(c.storage, c.batch, c.policy, c.m_max) for c in plan["batch"]} == {

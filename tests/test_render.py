@@ -1089,6 +1089,26 @@ def test_figures_4_and_5_draw_the_simulators_curves(cfg: dict, tmp_path: Path) -
     assert read_curve(tmp_path / "absent.csv") is None
 
 
+def test_the_simulated_rules_budgets_follow_the_scope_the_runs_were_measured_under(cfg: dict) -> None:
+    """Figure 4's simulated budget per storage is each storage's own under ``budget_scope: storage`` and the
+    reference storage's under ``platform``: the scope in runs.csv's column, so an archived run renders with the
+    budgets it ran at whatever the config says now; a file from before the column takes the config's."""
+    from specprefetch.render.figures import _device_rows, simulated_budgets
+
+    runs = _runs_rows()
+    curve = _curve_rows(runs)
+    curve["m_max_simulated"] = curve["storage"].map({"nvme": 6, "nvme_cold": 4, "ufs": 5, "slow_ufs": 2,
+                                                     "sdcard": 1}).fillna(4).astype(int)
+    rows, sel = _device_rows(runs, "runs.csv", cfg, "sweep")
+    plat = {**cfg["device"], "budget_scope": "platform", "reference_storage": "nvme_cold"}
+    own = {**plat, "budget_scope": "storage"}
+    got = {scope: simulated_budgets(curve, sel, rows.assign(budget_scope=scope), plat)
+           for scope in ("storage", "platform")}
+    assert got["storage"]["slow_ufs"] == 2 and got["storage"]["nvme"] == 6
+    assert set(got["platform"].values()) == {4}
+    assert simulated_budgets(curve, sel, rows.drop(columns=["budget_scope"], errors="ignore"), own) == got["storage"]
+
+
 def test_budget_rules_figure_pairs_every_rule_with_its_blocks_off(cfg: dict, tmp_path: Path) -> None:
     """fig_budget_rules: per storage of the budget experiment and rule (the paper's per storage and per layer, the
     DP allotment, the online EWMA rule) SpecPrefetch's paired gain vs the block's OFF, its throughput, its mean

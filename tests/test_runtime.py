@@ -625,6 +625,9 @@ def test_profile_window_bench_and_simulator_validation(tmp_path: Path) -> None:
     assert {r["component"] for r in lat} == {"attention", "router", "expert_load", "moe_compute", "other"}
     with open(tmp_path / "runs.csv") as f:
         got = list(csv.DictReader(f))
+    # every row says how it was measured: emulation, I/O order and whose budget each storage ran at
+    assert {(r["emulation"], r["io_order"], r["budget_scope"]) for r in got} == {
+        (s["emulation"], s["io_order"], s["budget_scope"])}
     # the lookahead experiment: OFF and d = 1 are the component block's runs (same configuration), d = 2 its own run,
     # at the window rule's budget on two windows, and its control, d = 1 at d = 2's budget (unless that is d = 1's)
     from specprefetch.runtime.core.budget import derive_m_max

@@ -59,7 +59,7 @@ from specprefetch.render.style import (  # noqa: E402
     storage_label,
 )
 from specprefetch.render.tables import _unique_m_max, model_budgets  # noqa: E402
-from specprefetch.runtime.core.budget import budget_source  # noqa: E402
+from specprefetch.runtime.core.budget import budget_scope, budget_source  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -322,10 +322,12 @@ def curve_rows(curve: pd.DataFrame | None, sel: Any, rows: pd.DataFrame, kind: s
 def simulated_budgets(curve: pd.DataFrame | None, sel: Any, rows: pd.DataFrame,
                       device: Mapping[str, Any]) -> dict[str, int]:
     """The simulated rule's budget per storage for a benchmark's rows (budget_curve.csv's ``storage`` rows), each
-    storage's own or, under ``device.budget_scope: platform``, the reference storage's (``budget.budget_source``)."""
+    storage's own or, under ``budget_scope: platform``, the reference storage's (``budget.budget_source``): the
+    scope the rows were measured under (runs.csv's column), else, for files from before it, ``device``'s."""
     st = curve_rows(curve, sel, rows, "storage")
     own = {str(r.storage): int(r.m_max_simulated) for r in st.itertuples()}
-    src = {s: budget_source(device, s) for s in own}
+    scope = {**device, "budget_scope": _setting(rows, "budget_scope", budget_scope(device))}
+    src = {s: budget_source(scope, s) for s in own}
     return {s: own[src[s]] for s in own if src[s] in own}
 
 
@@ -441,8 +443,8 @@ def variant_rows(runs: pd.DataFrame, sel: Any, experiment: str) -> dict[str, pd.
 
 
 def _setting(rows: pd.DataFrame, column: str, default: str) -> str:
-    """The emulation or I/O order the rows were measured under (runs.csv's column; files from before it existed
-    were measured under the bandwidth emulation and demand-first I/O, the only ones there were)."""
+    """The emulation, I/O order or budget scope the rows were measured under (runs.csv's column), else ``default``
+    (files from before the column: the bandwidth emulation and demand-first I/O, the only ones there were)."""
     if column in rows and rows[column].notna().any():
         return str(rows[column].dropna().iloc[0])
     return default

@@ -103,18 +103,24 @@ RULE_KEYS = {"window": "m_max_per_storage", "simulated": "m_max_simulated_per_st
 SCOPES = ("platform", "storage")
 
 
-def budget_source(settings: Mapping[str, Any], storage: str) -> str:
-    """The storage whose profiled budget ``storage`` runs at (``device.budget_scope``): itself, or under ``platform``
-    the reference storage (``device.reference_storage``), the one M_max the paper profiles on its target platform."""
+def budget_scope(settings: Mapping[str, Any]) -> str:
+    """``device.budget_scope`` (``platform`` when unset: the paper's), checked."""
     scope = settings.get("budget_scope", "platform")
     if scope not in SCOPES:
         raise BudgetError(f"invalid config key 'device.budget_scope': {scope!r} (one of {', '.join(SCOPES)})")
-    return str(settings["reference_storage"]) if scope == "platform" else storage
+    return str(scope)
 
 
-def _sourced(settings: Mapping[str, Any], per: Mapping[str, Any], names: Iterable[str], what: str) -> dict[str, Any]:
-    """``per[budget_source(st)]`` for each storage ``st`` of ``names``; an error naming the storages the profile's
-    ``what`` lacks."""
+def budget_source(settings: Mapping[str, Any], storage: str) -> str:
+    """The storage whose profiled budget ``storage`` runs at (``device.budget_scope``): itself, or under ``platform``
+    the reference storage (``device.reference_storage``), the one M_max the paper profiles on its target platform."""
+    return str(settings["reference_storage"]) if budget_scope(settings) == "platform" else storage
+
+
+def sourced_budgets(settings: Mapping[str, Any], per: Mapping[str, Any], names: Iterable[str],
+                    what: str) -> dict[str, Any]:
+    """``per[budget_source(st)]`` for each storage ``st`` of ``names`` (``per``: a value per storage, e.g. the
+    profile's budgets); an error naming the storages ``per`` (the profile's ``what``) lacks."""
     src = {st: budget_source(settings, st) for st in names}
     missing = [s for s in dict.fromkeys(src.values()) if s not in per]
     if missing:
@@ -126,7 +132,7 @@ def _rule_budgets(profile: Mapping[str, Any], rule: str, names: Sequence[str],
                   settings: Mapping[str, Any]) -> dict[str, int]:
     """The window profile's budget of each storage in ``names`` by ``rule`` (``RULE_KEYS``), read from its
     :func:`budget_source`."""
-    got = _sourced(settings, profile.get(RULE_KEYS[rule]) or {}, names, f"{rule}-rule M_max")
+    got = sourced_budgets(settings, profile.get(RULE_KEYS[rule]) or {}, names, f"{rule}-rule M_max")
     return {st: int(m) for st, m in got.items()}
 
 
@@ -263,7 +269,7 @@ def pre_attention_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any
     else the storage's budget ``budgets[storage]`` (a configured integer, or the simulated rule's)."""
     if profile is None or not is_auto(settings["m_max"]) or budget_rule(settings) != "window":
         return {st: int(m) for st, m in budgets.items()}
-    got = _sourced(settings, profile.get(PRE_ATTENTION_KEY) or {}, budgets, "pre-attention M_max")
+    got = sourced_budgets(settings, profile.get(PRE_ATTENTION_KEY) or {}, budgets, "pre-attention M_max")
     return {st: int(m) for st, m in got.items()}
 
 
@@ -292,12 +298,8 @@ def batch_budgets(settings: Mapping[str, Any], profile: Mapping[str, Any] | None
         if b == 1:
             out[b] = dict(one)
             continue
-        got = per.get(str(b)) or {}
-        lack = [s for s in dict.fromkeys(budget_source(settings, st) for st in storages) if s not in got]
-        if lack:
-            raise BudgetError(f"window profile has no M_max for a batch of {b} on {', '.join(lack)}: rerun "
-                              "profile-window with the batch experiment configured")
-        out[b] = {st: int(got[budget_source(settings, st)]) for st in storages}
+        got = sourced_budgets(settings, per.get(str(b)) or {}, storages, f"M_max for a batch of {b}")
+        out[b] = {st: int(m) for st, m in got.items()}
     return out
 
 

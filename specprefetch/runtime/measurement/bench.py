@@ -71,6 +71,7 @@ from specprefetch.metrics import bootstrap_ci
 from specprefetch.runtime.core.budget import (
     EwmaBudget,
     batch_budgets,
+    budget_scope,
     ewma_budgets,
     layer_budgets,
     lookahead_budgets,
@@ -570,6 +571,7 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
         row["experiment"] = variant_experiment(row["experiment"], variant)
         row["measured_in"] = variant_experiment(row["measured_in"], variant)
         row["emulation"], row["io_order"] = harness.settings["emulation"], harness.settings["io_order"]
+        row["budget_scope"] = budget_scope(harness.settings)
     write_runs_csv(out_csv, rows)
     if routing_out is not None:
         save_tensor_tree(routing_out, {"model": model, "platform": platform, "capacity": harness.capacity,

@@ -37,7 +37,7 @@ from typing import Any
 
 from specprefetch.contracts import EMULATED
 from specprefetch.io import SpecPrefetchError
-from specprefetch.runtime.core.budget import AUTO, budget_source, budget_storages, is_auto, window_budgets
+from specprefetch.runtime.core.budget import AUTO, budget_storages, is_auto, sourced_budgets, window_budgets
 from specprefetch.runtime.core.storage import StorageProfile, delayed_device, make_profile
 from specprefetch.runtime.simulation.simulator import ComputeProfile, SimSequence, simulate
 
@@ -142,7 +142,7 @@ def platform_m_max(p: dict[str, Any], settings: dict[str, Any], bandwidth_mbps: 
     transfer_ms = {st: platform_storage(p, st, settings, bandwidth_mbps).transfer_s() * 1e3 for st in storages}
     window_ms = statistics.median(windows.values()) if windows else float("nan")
     own, _ = window_budgets(AUTO, window_ms, windows, transfer_ms, n_experts)
-    per_storage = {st: own[budget_source(ref, st)] for st in storages}
+    per_storage = sourced_budgets(ref, own, storages, "window-rule M_max")
     log.info("%s: window %.2f ms, per-expert transfer %s ms -> M_max %s", p["name"], window_ms,
              {st: round(t, 3) for st, t in transfer_ms.items()}, per_storage)
     return per_storage
