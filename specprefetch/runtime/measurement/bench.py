@@ -567,11 +567,12 @@ def bench_runtime(harness: Harness, profile: dict[str, Any], model: str, platfor
     n_repeats = _measure_rounds(harness, blocks, rec, seed, online)
     rows = _experiment_rows(plan, blocks, rec, n_repeats)
     set_bounds(rows, rec.events_of, profile, harness.store.n_layers, rec.timings_of)
+    measured_under = {"emulation": harness.settings["emulation"], "io_order": harness.settings["io_order"],
+                      "budget_scope": budget_scope(harness.settings)}
     for row in rows:
         row["experiment"] = variant_experiment(row["experiment"], variant)
         row["measured_in"] = variant_experiment(row["measured_in"], variant)
-        row["emulation"], row["io_order"] = harness.settings["emulation"], harness.settings["io_order"]
-        row["budget_scope"] = budget_scope(harness.settings)
+        row |= measured_under
     write_runs_csv(out_csv, rows)
     if routing_out is not None:
         save_tensor_tree(routing_out, {"model": model, "platform": platform, "capacity": harness.capacity,
